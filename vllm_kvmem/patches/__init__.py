@@ -1,0 +1,32 @@
+"""Every vLLM patch, one module each, one :class:`Patch` record per module.
+
+``ALL_PATCHES`` is the order they are applied in; ``docs/patches.md`` is
+generated from these records (``kvmem patches --markdown``).
+"""
+
+from __future__ import annotations
+
+from vllm_kvmem.patches._registry import Patch, apply_all, is_applied, original_of
+from vllm_kvmem.patches.cpu_worker_memory import PATCH as CPU_WORKER_MEMORY
+from vllm_kvmem.patches.engine_args_cli import PATCH as ENGINE_ARGS_CLI
+from vllm_kvmem.patches.engine_args_config import PATCH as ENGINE_ARGS_CONFIG
+from vllm_kvmem.patches.engine_args_from_cli import PATCH as ENGINE_ARGS_FROM_CLI
+from vllm_kvmem.patches.engine_args_init import ASYNC_PATCH as ASYNC_ENGINE_ARGS_INIT
+from vllm_kvmem.patches.engine_args_init import PATCH as ENGINE_ARGS_INIT
+from vllm_kvmem.patches.gpu_worker_memory import PATCH as GPU_WORKER_MEMORY
+from vllm_kvmem.patches.kv_cache_configs import PATCH as KV_CACHE_CONFIGS
+from vllm_kvmem.patches.worker_kv_share_log import PATCH as WORKER_KV_SHARE_LOG
+
+ALL_PATCHES: tuple[Patch, ...] = (
+    ENGINE_ARGS_CLI,
+    ENGINE_ARGS_FROM_CLI,
+    ENGINE_ARGS_INIT,
+    ASYNC_ENGINE_ARGS_INIT,
+    ENGINE_ARGS_CONFIG,
+    KV_CACHE_CONFIGS,
+    GPU_WORKER_MEMORY,
+    CPU_WORKER_MEMORY,
+    WORKER_KV_SHARE_LOG,
+)
+
+__all__ = ["ALL_PATCHES", "Patch", "apply_all", "is_applied", "original_of"]

@@ -1,0 +1,40 @@
+"""Split a pipeline-wide KV budget across stages in the engine core."""
+
+from __future__ import annotations
+
+from vllm_kvmem.patches._registry import Patch
+
+
+def _make(original):
+    def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+        from vllm_kvmem.pp_prop import is_active, proportional_kv_cache_configs
+
+        if not is_active(vllm_config) or not any(kv_cache_specs):
+            return original(vllm_config, kv_cache_specs, available_memory)
+        return proportional_kv_cache_configs(
+            original, vllm_config, kv_cache_specs, available_memory
+        )
+
+    return get_kv_cache_configs
+
+
+PATCH = Patch(
+    name="kv_cache_configs",
+    target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
+    make_replacement=_make,
+    signature=("vllm_config", "kv_cache_specs", "available_memory"),
+    processes=("engine core",),
+    why="vLLM hands every pipeline stage the same `--kv-cache-memory-bytes` and "
+    "then cuts all stages to the smallest block count (PR #25164). With uneven "
+    "stages the operator cannot give the pipeline one total budget; "
+    "`--enable-pp-prop-kv-cache` makes the budget pipeline-wide.",
+    how="Only with the flag, a budget and pipeline size > 1: forms each worker's "
+    "KV cache groups with vLLM's own functions, computes bytes per block per "
+    "stage, gives stage s `T * bpb(s) / sum(bpb)` (so all stages hold "
+    "`T // sum(bpb)` blocks), checks each share against the limit the worker "
+    "reported and against one max_model_len sequence, then calls vLLM's "
+    "original planner with the shares and logs a per-rank summary. Rebinds the "
+    "name imported into `vllm.v1.engine.core`.",
+    upstream="vLLM PR 'Add --enable-pp-prop-kv-cache' (seed 000, never merged).",
+    remove_when="vLLM ships a pipeline-proportional KV budget.",
+)

@@ -1,0 +1,324 @@
+"""`--enable-pp-prop-kv-cache`: one pipeline-wide KV budget, split by KV bytes.
+
+The integration half of the feature (the arithmetic is in
+``vllm_kvmem.core.pp_split``). It runs in three places:
+
+* API server: :func:`validate_engine_config` checks the flags at startup.
+* Workers: :func:`device_kv_limit` is what each worker reports to the engine
+  instead of the (pipeline-wide) budget, so the engine can refuse a share the
+  device cannot hold; :func:`log_rank_share` prints the seed's per-rank line.
+* Engine core: :func:`proportional_kv_cache_configs` turns the budget into
+  per-worker shares from the KV specs the workers report, then lets vLLM's own
+  planner build the per-worker configs from those shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kvmem.config import ADDITIONAL_CONFIG_KEY, KVMemConfig
+from vllm_kvmem.core import pp_split
+from vllm_kvmem.core.units import flag_size, gib, human_bytes
+
+logger = init_logger("vllm.kvmem.pp_prop")
+
+FLAG = KVMemConfig.flag("enable_pp_prop_kv_cache")
+BUDGET_FLAG = "--kv-cache-memory-bytes"
+
+
+def is_active(vllm_config: Any) -> bool:
+    """True when the split applies: flag on, a budget, more than one stage."""
+    return (
+        KVMemConfig.from_vllm_config(vllm_config).enable_pp_prop_kv_cache
+        and vllm_config.cache_config.kv_cache_memory_bytes is not None
+        and vllm_config.parallel_config.pipeline_parallel_size > 1
+    )
+
+
+def validate_engine_config(vllm_config: Any) -> KVMemConfig:
+    """Startup checks on a freshly built VllmConfig (API server process)."""
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
+    additional = vllm_config.additional_config
+    if ADDITIONAL_CONFIG_KEY in additional:
+        additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump()
+    if not cfg.enable_pp_prop_kv_cache:
+        return cfg
+    if vllm_config.cache_config.kv_cache_memory_bytes is None:
+        raise ValueError(
+            f"{FLAG} needs {BUDGET_FLAG}: it splits that pipeline-wide budget "
+            f"across pipeline stages. Add e.g. `{BUDGET_FLAG} 5G` or drop {FLAG}."
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size == 1:
+        logger.warning(
+            "%s has no effect with --pipeline-parallel-size 1: the single stage "
+            "gets all of %s (%s GiB).",
+            FLAG,
+            BUDGET_FLAG,
+            gib(vllm_config.cache_config.kv_cache_memory_bytes),
+        )
+    return cfg
+
+
+# --------------------------------------------------------------------- workers
+
+
+def device_kv_limit(worker: Any) -> int:
+    """Bytes of KV cache this worker's device can still hold, after profiling.
+
+    CPU: the available memory of the worker's NUMA node (what vLLM's CPU worker
+    checks). Accelerators: the free device memory right now, after vLLM's
+    profile run, as reported by torch.
+    """
+    import torch
+
+    device = getattr(worker, "device", None)
+    if device is None or torch.device(device).type == "cpu":
+        from vllm.utils.cpu_resource_utils import (
+            get_allowed_cpu_list,
+            get_memory_node_info,
+        )
+
+        node = get_allowed_cpu_list()[0].numa_node
+        return int(get_memory_node_info(node).available_memory)
+    free, _total = torch.accelerator.get_memory_info(device)
+    return int(free)
+
+
+def report_device_limit(worker: Any, original_result: int) -> int:
+    """What a worker returns from ``determine_available_memory`` with the flag."""
+    limit = device_kv_limit(worker)
+    logger.info(
+        "KV cache budget %s GiB (%s) is pipeline-wide with %s; this rank's device "
+        "can hold up to %s GiB of KV cache; the engine assigns the share.",
+        gib(worker.cache_config.kv_cache_memory_bytes),
+        BUDGET_FLAG,
+        FLAG,
+        gib(limit),
+    )
+    return limit
+
+
+def _stage_layers(kv_cache_configs: Sequence[Any]) -> list[frozenset[str]]:
+    return [
+        frozenset(n for g in c.kv_cache_groups for n in g.layer_names)
+        for c in kv_cache_configs
+    ]
+
+
+def log_rank_share(vllm_config: Any, kv_cache_configs: Sequence[Any], rank: int) -> None:
+    """The seed's per-rank line, from the configs every worker receives."""
+    if not is_active(vllm_config):
+        return
+    layers = _stage_layers(kv_cache_configs)
+    total_layers = len(frozenset().union(*layers))
+    own = kv_cache_configs[rank]
+    reserved = max((t.size for t in own.kv_cache_tensors), default=0)
+    logger.info(
+        "Reserved %s GiB for KV cache (proportionally split from %s GiB based on "
+        "%d/%d layers on rank %d), %d blocks.",
+        gib(reserved),
+        gib(vllm_config.cache_config.kv_cache_memory_bytes),
+        len(layers[rank]),
+        total_layers,
+        rank,
+        own.num_blocks,
+    )
+
+
+# ----------------------------------------------------------------- engine core
+
+
+def worker_groups(vllm_config: Any, kv_cache_specs: Sequence[dict[str, Any]]) -> list:
+    """Each worker's KV cache groups, exactly as vLLM's planner will form them.
+
+    Mirrors the first steps of ``get_kv_cache_configs`` with vLLM's own
+    functions on a copy of the specs, so that bytes per block and the bytes one
+    max_model_len sequence needs are vLLM's numbers, hybrid models included.
+    """
+    from vllm.v1.core import kv_cache_utils as ku
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    merged: dict[str, Any] = {}
+    for specs in kv_cache_specs:
+        for name, spec in specs.items():
+            merged.setdefault(name, spec)
+    extra = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
+    for name, spec in merged.items():
+        if isinstance(spec, SlidingWindowSpec):
+            merged[name] = replace(spec, extra_retained_tokens=extra)
+    groups = ku.get_kv_cache_groups(vllm_config, merged)
+    return [ku._project_kv_cache_groups_to_worker(groups, w) for w in kv_cache_specs]
+
+
+def _stage_of_each_worker(kv_cache_specs: Sequence[dict[str, Any]]) -> list[int]:
+    """Pipeline stage of each worker: TP ranks of a stage share its layers."""
+    keys: dict[frozenset[str], int] = {}
+    return [keys.setdefault(frozenset(s), len(keys)) for s in kv_cache_specs]
+
+
+def proportional_kv_cache_configs(
+    original: Callable[..., list[Any]],
+    vllm_config: Any,
+    kv_cache_specs: list[dict[str, Any]],
+    available_memory: list[int],
+) -> list[Any]:
+    """``get_kv_cache_configs`` with the pipeline-wide budget split by stage."""
+    from vllm.v1.core import kv_cache_utils as ku
+
+    budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
+    groups = worker_groups(vllm_config, kv_cache_specs)
+    if not all(groups):
+        logger.info("%s: a stage has no KV cache layers; split not applied.", FLAG)
+        return original(vllm_config, kv_cache_specs, available_memory)
+    bpb = [ku._pool_bytes_per_block(vllm_config, g) for g in groups]
+    stage = _stage_of_each_worker(kv_cache_specs)
+    stage_bpb: dict[int, int] = {}
+    for s, b in zip(stage, bpb):
+        stage_bpb.setdefault(s, b)
+    stage_bpb_list = [stage_bpb[s] for s in sorted(stage_bpb)]
+    per_stage = pp_split.split_budget(budget, stage_bpb_list)
+    shares = [per_stage[s].share_bytes for s in stage]
+
+    _check_shares_fit_devices(shares, available_memory, bpb, stage, budget)
+    if vllm_config.model_config.original_max_model_len != -1:
+        needs = [
+            ku._max_memory_usage_bytes_from_groups(vllm_config, g) + b
+            for g, b in zip(groups, bpb)
+        ]
+        _check_shares_hold_a_sequence(vllm_config, shares, needs, bpb, stage, budget)
+
+    configs = original(vllm_config, kv_cache_specs, shares)
+    _log_summary(vllm_config, configs, groups, bpb, shares, stage, budget)
+    return configs
+
+
+def _check_shares_fit_devices(
+    shares: list[int],
+    limits: list[int],
+    bpb: list[int],
+    stage: list[int],
+    budget: int,
+) -> None:
+    for rank, (share, limit) in enumerate(zip(shares, limits)):
+        if share > limit:
+            ok = pp_split.max_budget_for(limits, bpb)
+            raise ValueError(
+                f"{FLAG}: rank {rank} (pipeline stage {stage[rank]}) gets "
+                f"{human_bytes(share)} of the {human_bytes(budget)} "
+                f"{BUDGET_FLAG} budget, more than its device can hold "
+                f"({human_bytes(limit)} free after loading the model). Use "
+                f"`{BUDGET_FLAG} {_flag_floor(ok)}` or less, or move layers off "
+                f"this stage with VLLM_PP_LAYER_PARTITION."
+            )
+
+
+def _check_shares_hold_a_sequence(
+    vllm_config: Any,
+    shares: list[int],
+    needs: list[int],
+    bpb: list[int],
+    stage: list[int],
+    budget: int,
+) -> None:
+    max_len = vllm_config.model_config.max_model_len
+    for rank, (share, need) in enumerate(zip(shares, needs)):
+        if share < need:
+            ok = pp_split.min_budget_for(needs, bpb)
+            raise ValueError(
+                f"{FLAG}: rank {rank} (pipeline stage {stage[rank]}) gets "
+                f"{human_bytes(share)} of the {human_bytes(budget)} {BUDGET_FLAG} "
+                f"budget, less than the {human_bytes(need)} one {max_len:,}-token "
+                f"sequence needs there (limit: the share must be at least that). "
+                f"Use `{BUDGET_FLAG} {flag_size(ok)}` or more, or lower "
+                f"--max-model-len."
+            )
+
+
+def _flag_floor(num_bytes: int) -> str:
+    mib = num_bytes >> 20
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+def _capacity(vllm_config: Any, config: Any) -> tuple[int, float]:
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    return get_kv_cache_capacity(vllm_config, config)
+
+
+def summary_rows(
+    vllm_config: Any,
+    configs: Sequence[Any],
+    groups: Sequence[Any],
+    bpb: Sequence[int],
+    budget: int,
+) -> list[dict[str, Any]]:
+    """Per rank: what the split gives, and what the same budget gives without it.
+
+    Without the flag every rank is handed the whole budget and vLLM then cuts
+    every rank to the smallest block count (PR #25164).
+    """
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+    base_blocks = pp_split.uniform_blocks(budget, bpb)
+    rows = []
+    for rank, (cfg, g, b) in enumerate(zip(configs, groups, bpb)):
+        tokens, conc = _capacity(vllm_config, cfg)
+        base_cfg = get_kv_cache_config_from_groups(vllm_config, g, base_blocks * b)
+        base_tokens, base_conc = _capacity(vllm_config, base_cfg)
+        rows.append(
+            dict(
+                rank=rank,
+                layers=sum(len(x.layer_names) for x in g),
+                bytes_per_block=b,
+                kv_bytes=cfg.num_blocks * b,
+                blocks=cfg.num_blocks,
+                tokens=tokens,
+                concurrency=conc,
+                base_kv_bytes=base_cfg.num_blocks * b,
+                base_blocks=base_cfg.num_blocks,
+                base_tokens=base_tokens,
+                base_concurrency=base_conc,
+            )
+        )
+    return rows
+
+
+def _log_summary(
+    vllm_config: Any,
+    configs: Sequence[Any],
+    groups: Sequence[Any],
+    bpb: Sequence[int],
+    shares: Sequence[int],
+    stage: Sequence[int],
+    budget: int,
+) -> None:
+    rows = summary_rows(vllm_config, configs, groups, bpb, budget)
+    max_len = vllm_config.model_config.max_model_len
+    lines = [
+        f"{FLAG}: {gib(budget)} GiB pipeline-wide KV budget split over "
+        f"{len(set(stage))} stages by KV bytes per block "
+        f"(max_model_len {max_len:,}):",
+        f"  {'rank':>4} {'stage':>5} {'layers':>6} {'share GiB':>9} "
+        f"{'KV GiB':>7} {'blocks':>8} {'tokens':>10} {'conc':>7} | "
+        f"{'without flag: KV GiB':>20} {'tokens':>10} {'conc':>7}",
+    ]
+    for r, share, s in zip(rows, shares, stage):
+        lines.append(
+            f"  {r['rank']:>4} {s:>5} {r['layers']:>6} {gib(share):>9} "
+            f"{gib(r['kv_bytes']):>7} {r['blocks']:>8,} {r['tokens']:>10,} "
+            f"{r['concurrency']:>6.2f}x | {gib(r['base_kv_bytes']):>20} "
+            f"{r['base_tokens']:>10,} {r['base_concurrency']:>6.2f}x"
+        )
+    firsts = [stage.index(s) for s in sorted(set(stage))]  # one TP shard
+    total = sum(rows[i]["kv_bytes"] for i in firsts)
+    base_total = sum(rows[i]["base_kv_bytes"] for i in firsts)
+    lines.append(
+        f"  total KV allocated per TP shard {gib(total)} GiB of {gib(budget)} GiB "
+        f"(without the flag: {gib(base_total)} GiB, each rank handed "
+        f"{gib(budget)} GiB)"
+    )
+    logger.info("\n".join(lines))
