@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 def _autoregister() -> None:
     if os.environ.get("VLLM_KVMEM_AUTOREGISTER", "1") == "0":
         return
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "kvmem":
+        return  # the offline CLI starts no engine: skip vLLM's 10 s import
     if importlib.util.find_spec("vllm") is None:
         return
     from vllm_kvmem.plugin import register

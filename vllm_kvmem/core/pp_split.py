@@ -63,7 +63,10 @@ def min_budget_for(
 def max_budget_for(limits: Sequence[int], bytes_per_block: Sequence[int]) -> int:
     """Largest pipeline-wide budget whose share fits every stage's device."""
     total_bpb = sum(bytes_per_block)
-    return min(limit * total_bpb // b for limit, b in zip(limits, bytes_per_block))
+    # floor(T * b / S) <= limit  <=>  T < (limit + 1) * S / b
+    return min(
+        -(-(limit + 1) * total_bpb // b) - 1 for limit, b in zip(limits, bytes_per_block)
+    )
 
 
 def uniform_blocks(total_bytes: int, bytes_per_block: Sequence[int]) -> int:

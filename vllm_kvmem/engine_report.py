@@ -1,0 +1,79 @@
+"""What each rank of a running engine actually allocated for KV cache.
+
+Used by the demo, the tests and the benchmarks to read the truth from the
+workers (tensor storage sizes, block counts) rather than from log lines.
+``python -m vllm_kvmem.engine_report '{"model": ..., ...}'`` starts an engine
+with those ``LLM`` keyword arguments, generates a few tokens and prints one
+``KVMEM_REPORT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+REPORT_PREFIX = "KVMEM_REPORT "
+
+
+def rank_kv_report(worker: Any) -> dict[str, Any]:
+    """Runs inside a worker (via ``LLM.collective_rpc``)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+
+    runner = worker.model_runner
+    storages: dict[int, int] = {}
+    for t in runner.kv_caches:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    cfg = runner.kv_cache_config
+    tokens, concurrency = get_kv_cache_capacity(worker.vllm_config, cfg)
+    layers = sorted({n for g in cfg.kv_cache_groups for n in g.layer_names})
+    return {
+        "rank": worker.rank,
+        "pp_rank": _pp_rank(),
+        "layers": len(layers),
+        "layer_names": layers,
+        "kv_bytes": sum(storages.values()),
+        "num_blocks": cfg.num_blocks,
+        "block_size": cfg.kv_cache_groups[0].kv_cache_spec.block_size,
+        "tokens": tokens,
+        "concurrency": concurrency,
+        "max_model_len": worker.vllm_config.model_config.max_model_len,
+        "kv_cache_memory_bytes": worker.cache_config.kv_cache_memory_bytes,
+        "layout": cfg.kv_cache_layout,
+    }
+
+
+def _pp_rank() -> int:
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().rank_in_group
+
+
+def collect(llm: Any) -> list[dict[str, Any]]:
+    """Per-rank reports of an ``LLM``, in rank order."""
+    return sorted(llm.collective_rpc(rank_kv_report), key=lambda r: r["rank"])
+
+
+def run(llm_kwargs: dict[str, Any], prompts: list[str] | None = None) -> dict:
+    import vllm_kvmem  # noqa: F401  (patches EngineArgs for the kwargs)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**llm_kwargs)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate(prompts or ["The KV cache"], params, use_tqdm=False)
+    return {
+        "ranks": collect(llm),
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    report = run(json.loads(argv[0]))
+    print(REPORT_PREFIX + json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

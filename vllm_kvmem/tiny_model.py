@@ -1,0 +1,519 @@
+"""Build a tiny random-weight Llama-style model directory that vLLM can serve.
+
+Tests and benchmarks of KV-cache sizing need a real model directory, but no
+model hub is reachable and real checkpoints are large. This writes one offline,
+in a second or two, with the same bytes for the same options on every run, so
+results and cache keys can be compared across machines and runs.
+
+Written files: ``config.json``, ``generation_config.json``, ``model.safetensors``
+and a byte-level BPE tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+``special_tokens_map.json``) trained here on a built-in corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "num_layers": 8,
+    "hidden_size": 256,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "intermediate_size": None,  # None: 2 * hidden_size
+    "max_position_embeddings": 4096,
+    "dtype": "bfloat16",
+    "sliding_window": None,
+    "seed": 0,
+}
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+# Special tokens, in id order (ids 0..3), the way Llama tokenizers number them.
+UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = (UNK, BOS, EOS, PAD)
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(4)
+
+# 256 byte symbols plus the special tokens: the least a byte-level BPE can hold.
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+WEIGHT_STD = 0.02
+
+# A minimal chat template so chat endpoints work; the model itself is random.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+_WORDS = (
+    "the a an this that one some every each other small large quick slow "
+    "red green blue old new cache memory block token layer model page window "
+    "server request batch queue head value key query budget pipeline stage "
+    "engine worker device host tier copy move swap keep drop fill read write "
+    "is was will can may must should could runs holds sends takes gives makes "
+    "and or but so then when while if because after before under over into "
+    "from with without between across through about time day year number "
+    "data text word line file system network user people world water light "
+    "good fast long short high low first last next same different many few"
+).split()
+_PUNCT = (".", ".", ".", ",", "?", "!", ";", ":")
+
+
+# Pseudo-word syllables: real words alone saturate BPE at ~700 merges; these
+# give it enough distinct pairs to fill the default 2048-token vocabulary.
+_ONSETS = "b c d f g h j k l m n p r s t v w z br cl dr fl gr pl sh st th tr ch".split()
+_VOWELS = "a e i o u ai ea io ou".split()
+_CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "st")
+_EXTRAS = ("42", "2024", "3.14", "x86_64", "'quoted'", '"said"', "café", "naïve")
+
+
+def _corpus(num_sentences: int = 1200) -> list[str]:
+    """English-like sentences (~70 KB) from a fixed LCG, so the tokenizer is fixed.
+
+    A hand-rolled generator (not ``random``) keeps the text identical across
+    Python versions. Real words, pseudo-words, digits, quotes and a few
+    non-ASCII words are mixed so the learned merges look like a real vocabulary.
+    """
+    state = 0x2545F491
+
+    def nxt(n: int) -> int:
+        nonlocal state
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        return (state >> 33) % n
+
+    def pick(options: tuple[str, ...] | list[str]) -> str:
+        return options[nxt(len(options))]
+
+    def word() -> str:
+        kind = nxt(12)
+        if kind == 0:
+            return pick(_EXTRAS)
+        if kind <= 4:
+            syllables = 1 + nxt(3)
+            return "".join(
+                pick(_ONSETS) + pick(_VOWELS) + pick(_CODAS) for _ in range(syllables)
+            )
+        return pick(_WORDS)
+
+    lines = []
+    for _ in range(num_sentences):
+        words = [word() for _ in range(4 + nxt(10))]
+        words[0] = words[0].capitalize()
+        lines.append(" ".join(words) + pick(_PUNCT))
+    return lines
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{flag}={value!r}: must be a positive integer")
+
+
+def _validate(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    dtype: str,
+    sliding_window: int | None,
+    seed: int,
+) -> None:
+    """Refuse bad options up front with the flag, the value and what would work."""
+    for flag, value in (
+        ("--num-layers", num_layers),
+        ("--hidden-size", hidden_size),
+        ("--num-heads", num_heads),
+        ("--num-kv-heads", num_kv_heads),
+        ("--head-dim", head_dim),
+        ("--vocab-size", vocab_size),
+        ("--intermediate-size", intermediate_size),
+        ("--max-position-embeddings", max_position_embeddings),
+    ):
+        _check_positive(flag, value)
+    if sliding_window is not None:
+        _check_positive("--sliding-window", sliding_window)
+    if hidden_size % num_heads:
+        divisors = [
+            d for d in range(1, min(hidden_size, 64) + 1) if hidden_size % d == 0
+        ]
+        raise ValueError(
+            f"--num-heads={num_heads} does not divide --hidden-size={hidden_size}; "
+            f"use one of {divisors} or change --hidden-size"
+        )
+    if num_heads % num_kv_heads:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(
+            f"--num-kv-heads={num_kv_heads} does not divide --num-heads={num_heads};"
+            f" use one of {divisors}"
+        )
+    if head_dim % 2:
+        raise ValueError(
+            f"--head-dim={head_dim}: rotary embeddings need an even head size; "
+            f"use e.g. {head_dim + 1} (vLLM's CPU backend takes 32, 64, 80, 96, "
+            "112, 128, 160, 192, 224, 256, 512)"
+        )
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"--vocab-size={vocab_size}: a byte-level tokenizer needs 256 byte "
+            f"tokens plus {len(SPECIAL_TOKENS)} special ones; use at least "
+            f"{MIN_VOCAB_SIZE}"
+        )
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"--seed={seed!r}: use an integer in [0, 2**63)")
+
+
+def _train_tokenizer(vocab_size: int) -> Any:
+    """Train a byte-level BPE on the built-in corpus.
+
+    Byte level means any text tokenizes without ``<unk>``. The BPE trainer breaks
+    count ties by pair id and sorts its alphabet, so the result does not depend
+    on thread scheduling (checked by the tests, which build twice).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    # Prepend BOS like Llama tokenizers do; vLLM prompts then start with it.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, BOS_ID)],
+    )
+    for token, token_id in zip(SPECIAL_TOKENS, range(4), strict=True):
+        if tok.token_to_id(token) != token_id:
+            raise RuntimeError(f"tokenizer put {token} at {tok.token_to_id(token)}")
+    return tok
+
+
+def _weight_shapes(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    intermediate_size: int,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """HF Llama tensor names and shapes, in the order they are generated."""
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (vocab_size, hidden_size))
+    ]
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden_size)),
+            (f"{p}.self_attn.k_proj.weight", (num_kv_heads * head_dim, hidden_size)),
+            (f"{p}.self_attn.v_proj.weight", (num_kv_heads * head_dim, hidden_size)),
+            (f"{p}.self_attn.o_proj.weight", (hidden_size, num_heads * head_dim)),
+            (f"{p}.mlp.gate_proj.weight", (intermediate_size, hidden_size)),
+            (f"{p}.mlp.up_proj.weight", (intermediate_size, hidden_size)),
+            (f"{p}.mlp.down_proj.weight", (hidden_size, intermediate_size)),
+            (f"{p}.input_layernorm.weight", (hidden_size,)),
+            (f"{p}.post_attention_layernorm.weight", (hidden_size,)),
+        ]
+    shapes += [
+        ("model.norm.weight", (hidden_size,)),
+        ("lm_head.weight", (vocab_size, hidden_size)),
+    ]
+    return shapes
+
+
+def model_config(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    dtype: str,
+    sliding_window: int | None,
+) -> dict[str, Any]:
+    """The ``config.json`` content, written out rather than built by transformers.
+
+    It is what ``LlamaConfig(...).to_diff_dict()`` (``MistralConfig`` with a
+    window) gives, less ``transformers_version``: importing transformers would
+    double the build time, and leaving the version out keeps the bytes the same
+    across transformers releases. The tests check it loads as that class.
+    """
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden_size,
+        "initializer_range": WEIGHT_STD,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "num_attention_heads": num_heads,
+        "num_hidden_layers": num_layers,
+        "num_key_value_heads": num_kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+        # transformers >= 4.56 reads dtype; older readers look for torch_dtype.
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if sliding_window is not None:
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del config[key]
+        config["architectures"] = ["MistralForCausalLM"]
+        config["model_type"] = "mistral"
+        config["sliding_window"] = sliding_window
+    return config
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    path.write_bytes(text.encode("utf-8"))
+
+
+def _dump_json(path: pathlib.Path, obj: Any) -> None:
+    """Sorted keys and a fixed layout so the bytes depend only on the content."""
+    _write_text(
+        path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    )
+
+
+def build_tiny_model(
+    outdir: str | os.PathLike[str],
+    *,
+    num_layers: int = 8,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    vocab_size: int = 2048,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 4096,
+    dtype: str = "bfloat16",
+    sliding_window: int | None = None,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Write the model directory and return its path.
+
+    With ``sliding_window`` the config is a ``MistralForCausalLM`` (same tensor
+    names): vLLM copies a model-level ``sliding_window`` into every attention
+    layer when the config has no ``layer_types``, so each layer gets a
+    ``SlidingWindowSpec``. Raises ``ValueError`` naming the CLI flag on bad input.
+    """
+    if intermediate_size is None:
+        intermediate_size = 2 * hidden_size if isinstance(hidden_size, int) else 0
+    _validate(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+        sliding_window=sliding_window,
+        seed=seed,
+    )
+
+    import torch
+    from safetensors.torch import save_file
+
+    out = pathlib.Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = model_config(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+        sliding_window=sliding_window,
+    )
+    _dump_json(out / "config.json", config)
+    _dump_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
+    )
+
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in _weight_shapes(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        intermediate_size=intermediate_size,
+    ):
+        if len(shape) == 1:  # RMSNorm scales start at one, as in HF init
+            tensors[name] = torch.ones(shape, dtype=torch_dtype)
+        else:
+            weight = torch.randn(shape, generator=gen, dtype=torch.float32)
+            tensors[name] = (weight * WEIGHT_STD).to(torch_dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    tok = _train_tokenizer(vocab_size)
+    _write_text(out / "tokenizer.json", tok.to_str(pretty=True) + "\n")
+    specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
+    _dump_json(out / "special_tokens_map.json", specials)
+    _dump_json(
+        out / "tokenizer_config.json",
+        {
+            **specials,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": token,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for i, token in enumerate(SPECIAL_TOKENS)
+            },
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``outdir`` and one flag per ``build_tiny_model`` option."""
+    d = DEFAULTS
+    parser.add_argument("outdir", help="directory to write the model into")
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        default=d["num_layers"],
+        help="decoder layers (default %(default)s)",
+    )
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=d["hidden_size"],
+        help="model width; --num-heads must divide it (default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-heads",
+        type=int,
+        default=d["num_heads"],
+        help="attention (query) heads (default %(default)s)",
+    )
+    parser.add_argument(
+        "--num-kv-heads",
+        type=int,
+        default=d["num_kv_heads"],
+        help="KV heads, must divide --num-heads; sets KV bytes per token "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=d["head_dim"],
+        help="size of one head, even; sets KV bytes per token (default %(default)s)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=d["vocab_size"],
+        help=f"embedding rows, at least {MIN_VOCAB_SIZE}; the tokenizer learns "
+        "up to this many tokens (default %(default)s)",
+    )
+    parser.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=d["intermediate_size"],
+        help="MLP width (default: 2 * --hidden-size)",
+    )
+    parser.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=d["max_position_embeddings"],
+        help="longest context the config declares (default %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=d["dtype"],
+        help="weight dtype written to disk and into config.json (default %(default)s)",
+    )
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=d["sliding_window"],
+        help="write a Mistral-style config with this window, so vLLM gives every "
+        "layer a sliding-window KV cache (default: none, full attention)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"],
+        help="weight RNG seed; same options and seed give the same bytes "
+        "(default %(default)s)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build from parsed CLI args and print a one-line summary."""
+    options = {key: getattr(args, key) for key in DEFAULTS}
+    out = build_tiny_model(args.outdir, **options)
+
+    from safetensors import safe_open
+
+    params = 0
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            n = 1
+            for dim in shape:
+                n *= dim
+            params += n
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    arch = "mistral" if args.sliding_window is not None else "llama"
+    window = f", sliding window {args.sliding_window}" if args.sliding_window else ""
+    print(
+        f"wrote {out}: {arch}, {args.num_layers} layers, {params / 1e6:.2f}M params "
+        f"({args.dtype}{window}), {size / 2**20:.1f} MiB on disk"
+    )
+    return 0
