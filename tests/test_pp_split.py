@@ -26,7 +26,12 @@ def test_seed_56_8_split_matches_the_seed_numbers():
 
 @pytest.mark.parametrize(
     "budget,bpb",
-    [(10**9 + 7, [3, 5, 11]), (64 << 20, [49152, 16384]), (12345, [7, 7]), (999, [1000])],
+    [
+        (10**9 + 7, [3, 5, 11]),
+        (64 << 20, [49152, 16384]),
+        (12345, [7, 7]),
+        (999, [1000]),
+    ],
 )
 def test_split_has_equal_blocks_and_never_exceeds_the_budget(budget, bpb):
     shares = pp_split.split_budget(budget, bpb)
@@ -39,7 +44,9 @@ def test_split_has_equal_blocks_and_never_exceeds_the_budget(budget, bpb):
 def test_min_and_max_budget_are_tight():
     bpb, needs = [300, 100], [3000, 1000]
     lo = pp_split.min_budget_for(needs, bpb)
-    assert all(s.share_bytes >= n for s, n in zip(pp_split.split_budget(lo, bpb), needs))
+    assert all(
+        s.share_bytes >= n for s, n in zip(pp_split.split_budget(lo, bpb), needs)
+    )
     assert any(
         s.share_bytes < n for s, n in zip(pp_split.split_budget(lo - 1, bpb), needs)
     )

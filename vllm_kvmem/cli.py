@@ -20,7 +20,7 @@ def _patches(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_kvmem import tiny_model
+    from vllm_kvmem import demo, tiny_model
 
     parser = argparse.ArgumentParser(
         prog="kvmem", description="vllm-kvmem: KV-cache memory tools for vLLM."
@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny_model.add_arguments(p)
     p.set_defaults(func=tiny_model.run)
+    p = sub.add_parser(
+        "demo",
+        help="A/B of --enable-pp-prop-kv-cache on a pipeline of 2 (tiny model)",
+    )
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
     p = sub.add_parser("patches", help="list the vLLM patches vllm-kvmem applies")
     p.add_argument("--markdown", action="store_true", help="print docs/patches.md")
     p.set_defaults(func=_patches)

@@ -56,8 +56,9 @@ def collect(llm: Any) -> list[dict[str, Any]]:
 
 
 def run(llm_kwargs: dict[str, Any], prompts: list[str] | None = None) -> dict:
-    import vllm_kvmem  # noqa: F401  (patches EngineArgs for the kwargs)
     from vllm import LLM, SamplingParams
+
+    import vllm_kvmem  # noqa: F401  (patches EngineArgs for the kwargs)
 
     llm = LLM(**llm_kwargs)
     params = SamplingParams(max_tokens=8, temperature=0.0)

@@ -109,7 +109,9 @@ def _stage_layers(kv_cache_configs: Sequence[Any]) -> list[frozenset[str]]:
     ]
 
 
-def log_rank_share(vllm_config: Any, kv_cache_configs: Sequence[Any], rank: int) -> None:
+def log_rank_share(
+    vllm_config: Any, kv_cache_configs: Sequence[Any], rank: int
+) -> None:
     """The seed's per-rank line, from the configs every worker receives."""
     if not is_active(vllm_config):
         return

@@ -50,9 +50,7 @@ def blocks_for_budget(total_bytes: int, bytes_per_block: Sequence[int]) -> int:
     return total_bytes // sum(bytes_per_block)
 
 
-def min_budget_for(
-    needed_bytes: Sequence[int], bytes_per_block: Sequence[int]
-) -> int:
+def min_budget_for(needed_bytes: Sequence[int], bytes_per_block: Sequence[int]) -> int:
     """Smallest pipeline-wide budget whose share covers every stage's need."""
     total_bpb = sum(bytes_per_block)
     return max(
@@ -65,7 +63,8 @@ def max_budget_for(limits: Sequence[int], bytes_per_block: Sequence[int]) -> int
     total_bpb = sum(bytes_per_block)
     # floor(T * b / S) <= limit  <=>  T < (limit + 1) * S / b
     return min(
-        -(-(limit + 1) * total_bpb // b) - 1 for limit, b in zip(limits, bytes_per_block)
+        -(-(limit + 1) * total_bpb // b) - 1
+        for limit, b in zip(limits, bytes_per_block)
     )
 
 

@@ -23,7 +23,9 @@ def add_kvmem_arguments(parser: Any) -> None:
         kwargs: dict[str, Any] = {"dest": name, "default": None}
         if field.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        group.add_argument(KVMemConfig.flag(name), help=KVMemConfig.help(name), **kwargs)
+        group.add_argument(
+            KVMemConfig.flag(name), help=KVMemConfig.help(name), **kwargs
+        )
 
 
 def _make(original):

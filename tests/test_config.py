@@ -1,0 +1,108 @@
+"""The three doors to every option (flag, LLM kwarg, additional_config) give
+the same result, and bad input fails at startup naming the flag."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+import vllm_kvmem  # noqa: F401
+from vllm_kvmem.config import KVMemConfig
+
+
+def _cli(*argv: str) -> AsyncEngineArgs:
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+def test_three_doors_give_the_same_config(model_8l):
+    m = str(model_8l)
+    via_cli = _cli("--model", m, "--enable-pp-prop-kv-cache")
+    via_kwarg = EngineArgs(model=m, enable_pp_prop_kv_cache=True)
+    via_additional = EngineArgs(
+        model=m, additional_config={"kvmem": {"enable_pp_prop_kv_cache": True}}
+    )
+    expected = {"kvmem": {"enable_pp_prop_kv_cache": True}}
+    assert via_cli.additional_config == expected
+    assert via_kwarg.additional_config == expected
+    assert via_additional.additional_config == expected
+
+
+def test_absent_flag_leaves_additional_config_alone(model_8l):
+    assert "kvmem" not in _cli("--model", str(model_8l)).additional_config
+    off = _cli("--model", str(model_8l), "--no-enable-pp-prop-kv-cache")
+    assert off.additional_config == {"kvmem": {"enable_pp_prop_kv_cache": False}}
+
+
+def test_help_lists_the_flag():
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert "--enable-pp-prop-kv-cache" in parser.format_help()
+    # Adding our group twice (plugins can load twice) must not add it twice.
+    from vllm_kvmem.patches.engine_args_cli import add_kvmem_arguments
+
+    add_kvmem_arguments(parser)
+    assert parser.format_help().count("--enable-pp-prop-kv-cache") == 1
+
+
+def test_conflicting_values_are_an_error(model_8l):
+    with pytest.raises(ValueError, match="--enable-pp-prop-kv-cache given twice"):
+        EngineArgs(
+            model=str(model_8l),
+            enable_pp_prop_kv_cache=False,
+            additional_config={"kvmem": {"enable_pp_prop_kv_cache": True}},
+        )
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"enable_pp_prop_kv_cache": "maybe"}, "--enable-pp-prop-kv-cache.*'maybe'"),
+        ({"enable_pp_prop": True}, "unknown vllm-kvmem option.*valid keys"),
+        (["x"], "must be a mapping"),
+    ],
+)
+def test_bad_additional_config_fails_at_startup(model_8l, raw, match):
+    args = EngineArgs(model=str(model_8l), additional_config={"kvmem": raw})
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
+    with pytest.raises(ValueError, match=match):
+        KVMemConfig.parse(raw)
+
+
+def test_flag_without_budget_names_both_flags(model_8l, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args = EngineArgs(model=str(model_8l), enable_pp_prop_kv_cache=True)
+    with pytest.raises(ValueError) as e:
+        args.create_engine_config()
+    assert "--enable-pp-prop-kv-cache" in str(e.value)
+    assert "--kv-cache-memory-bytes" in str(e.value)
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_pipeline_size_one_warns_once(model_8l):
+    cap = _Capture()
+    log = logging.getLogger("vllm.kvmem.pp_prop")
+    log.addHandler(cap)
+    try:
+        config = EngineArgs(
+            model=str(model_8l),
+            enable_pp_prop_kv_cache=True,
+            kv_cache_memory_bytes=64 << 20,
+        ).create_engine_config()
+    finally:
+        log.removeHandler(cap)
+    warnings = [m for m in cap.messages if "no effect" in m]
+    assert len(warnings) == 1
+    assert "--pipeline-parallel-size 1" in warnings[0]
+    assert config.additional_config["kvmem"] == {"enable_pp_prop_kv_cache": True}

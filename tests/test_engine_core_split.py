@@ -1,0 +1,128 @@
+"""The engine-core half of the split, on vLLM's real planner and real configs.
+
+These call the patched ``get_kv_cache_configs`` exactly as the engine core
+does, with real ``VllmConfig`` objects and real vLLM KV specs, for worker
+layouts that would need more processes than this 2-core machine can run
+(tensor x pipeline parallel) or devices it does not have (a GPU whose free
+memory is smaller than a share: the per-worker limits are given directly,
+standing in for what a GPU worker would report).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import human_readable_int
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.core import kv_cache_utils as ku
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+import vllm_kvmem  # noqa: F401
+
+BIG = 1 << 40
+
+
+def _config(model, pp=2, tp=1, budget=64 << 20, max_len=512, flag=True):
+    cfg = EngineArgs(
+        model=str(model),
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        kv_cache_memory_bytes=budget,
+        max_model_len=max_len,
+        enable_pp_prop_kv_cache=flag,
+    ).create_engine_config()
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        register_all_kvcache_specs,
+    )
+
+    register_all_kvcache_specs(cfg)
+    return cfg
+
+
+def _specs(cfg, layers_per_stage, tp=1, heads=None):
+    """Per-worker spec dicts, rank order = stage-major, TP-minor (as vLLM)."""
+    bs = cfg.cache_config.block_size
+    out, first = [], 0
+    for stage, n in enumerate(layers_per_stage):
+        h = heads[stage] if heads else 2
+        stage_specs = {
+            f"model.layers.{first + i}.self_attn.attn": FullAttentionSpec(
+                block_size=bs, num_kv_heads=h, head_size=64, dtype=torch.bfloat16
+            )
+            for i in range(n)
+        }
+        first += n
+        out += [dict(stage_specs) for _ in range(tp)]
+    resolve_kv_cache_layout(
+        cfg, [["LBHNC"]] * len(out), [s for d in out for s in d.values()]
+    )
+    return out
+
+
+def _alloc(c):
+    return max(t.size for t in c.kv_cache_tensors)
+
+
+def test_tp2_x_pp2_split_per_shard(model_8l):
+    cfg = _config(model_8l, tp=2)
+    specs = _specs(cfg, [6, 2], tp=2)
+    configs = ku.get_kv_cache_configs(cfg, specs, [BIG] * 4)
+    assert len({c.num_blocks for c in configs}) == 1
+    assert _alloc(configs[0]) == _alloc(configs[1])  # same stage, same share
+    assert _alloc(configs[2]) == _alloc(configs[3])
+    per_shard = _alloc(configs[0]) + _alloc(configs[2])
+    assert per_shard <= 64 << 20
+    assert _alloc(configs[0]) == 3 * _alloc(configs[2])
+
+
+def test_share_follows_bytes_not_layer_count(model_8l):
+    # Same layer count per stage, 4x the KV heads on stage 1: its share must
+    # be 4x, where a layer-count split would give 50/50.
+    cfg = _config(model_8l)
+    specs = _specs(cfg, [4, 4], heads=[2, 8])
+    configs = ku.get_kv_cache_configs(cfg, specs, [BIG, BIG])
+    assert configs[0].num_blocks == configs[1].num_blocks
+    assert _alloc(configs[1]) == 4 * _alloc(configs[0])
+    total = _alloc(configs[0]) + _alloc(configs[1])
+    bpb = total // configs[0].num_blocks
+    assert (64 << 20) - bpb < total <= 64 << 20  # within one block of T
+
+
+def test_without_flag_vllm_plans_alone(model_8l):
+    cfg = _config(model_8l, flag=False)
+    specs = _specs(cfg, [6, 2])
+    configs = ku.get_kv_cache_configs(cfg, specs, [64 << 20] * 2)
+    original = ku.get_kv_cache_configs.__kvmem_original__
+    cfg2 = _config(model_8l, flag=False)
+    expected = original(cfg2, _specs(cfg2, [6, 2]), [64 << 20] * 2)
+    assert [(c.num_blocks, _alloc(c)) for c in configs] == [
+        (c.num_blocks, _alloc(c)) for c in expected
+    ]
+
+
+def test_share_above_device_limit_names_rank_share_limit_and_a_budget(model_8l):
+    cfg = _config(model_8l, budget=1 << 30)
+    specs = _specs(cfg, [6, 2])
+    limits = [300 << 20, BIG]  # rank 0 would get 768 MiB
+    with pytest.raises(ValueError) as e:
+        ku.get_kv_cache_configs(cfg, specs, limits)
+    msg = str(e.value)
+    assert "rank 0" in msg and "768.00 MiB" in msg and "300.00 MiB" in msg
+    suggested = msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
+    ok = _config(model_8l, budget=human_readable_int(suggested))
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
+    assert _alloc(configs[0]) <= 300 << 20
+
+
+def test_share_too_small_for_one_sequence_names_a_budget_that_works(model_8l):
+    cfg = _config(model_8l, budget=2 << 20, max_len=1024)
+    specs = _specs(cfg, [6, 2])
+    with pytest.raises(ValueError) as e:
+        ku.get_kv_cache_configs(cfg, specs, [BIG, BIG])
+    msg = str(e.value)
+    assert "rank 0" in msg and "1,024-token sequence" in msg
+    suggested = msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
+    ok = _config(model_8l, budget=human_readable_int(suggested), max_len=1024)
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), [BIG, BIG])
+    assert configs[0].num_blocks == configs[1].num_blocks > 0

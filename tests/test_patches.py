@@ -1,0 +1,71 @@
+"""Every patch: its vLLM target still exists with the expected signature,
+applying it again is a no-op, and docs/patches.md is generated from the records."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from pathlib import Path
+
+import pytest
+
+import vllm_kvmem  # noqa: F401  (applies the patches)
+from vllm_kvmem.patches import ALL_PATCHES, apply_all, is_applied, original_of
+from vllm_kvmem.patches._registry import check_signature, to_markdown
+from vllm_kvmem.plugin import register
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "patches.md"
+
+
+@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+def test_target_exists_with_expected_signature(patch):
+    check_signature(patch)  # raises if vLLM moved or changed the target
+    assert is_applied(patch)
+    for field in ("why", "how", "upstream", "remove_when"):
+        assert len(getattr(patch, field)) > 20, field
+
+
+@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+def test_applying_twice_changes_nothing(patch):
+    owner, attr, before = patch.resolve()
+    assert apply_all([patch]) == []
+    assert register() is True
+    _, _, after = patch.resolve()
+    assert after is before
+    assert original_of(patch) is not before
+
+
+def test_a_moved_target_is_detected():
+    moved = dataclasses.replace(ALL_PATCHES[-1], signature=("self", "renamed"))
+    with pytest.raises(RuntimeError, match="not supported"):
+        check_signature(moved)
+
+
+def test_imported_names_are_rebound():
+    import vllm.v1.core.kv_cache_utils as ku
+    import vllm.v1.engine.core as core
+
+    assert core.get_kv_cache_configs is ku.get_kv_cache_configs
+    assert is_applied(next(p for p in ALL_PATCHES if p.name == "kv_cache_configs"))
+
+
+def test_options_are_not_already_engine_args_fields():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvmem.config import KVMemConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert not fields & set(KVMemConfig.option_names())
+    assert "kwargs" in str(inspect.signature(EngineArgs.__init__))
+
+
+def test_unknown_vllm_version_patches_nothing(monkeypatch):
+    from vllm_kvmem import plugin
+
+    monkeypatch.setattr(plugin, "_state", {"done": False, "patched": False})
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.1")
+    assert plugin.register() is False
+
+
+def test_docs_are_generated_from_the_records():
+    assert DOCS.read_text() == to_markdown(ALL_PATCHES) + "\n"

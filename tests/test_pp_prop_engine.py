@@ -1,0 +1,129 @@
+"""--enable-pp-prop-kv-cache on a real multi-process vLLM engine (pipeline of 2).
+
+Each test starts vLLM on CPU in a subprocess (engine core and one worker per
+stage are separate processes), so these also prove the plugin loads and
+patches in every process. Per-rank numbers are read from the workers' real
+KV tensors via LLM.collective_rpc.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import PP_COMPILATION, run_engine
+
+pytestmark = pytest.mark.engine
+
+MiB = 1 << 20
+
+
+def _pp_kwargs(model, budget, **extra):
+    return dict(
+        model=str(model),
+        pipeline_parallel_size=2,
+        kv_cache_memory_bytes=budget,
+        max_model_len=512,
+        compilation_config=PP_COMPILATION,
+        **extra,
+    )
+
+
+def _assert_proportional(ranks, budget):
+    blocks = {r["num_blocks"] for r in ranks}
+    assert len(blocks) == 1, ranks
+    n = blocks.pop()
+    bpb = [r["kv_bytes"] // n for r in ranks]
+    total = sum(r["kv_bytes"] for r in ranks)
+    assert total <= budget
+    for r, b in zip(ranks, bpb):
+        share = budget * b / sum(bpb)
+        assert share - b < r["kv_bytes"] <= share  # within one block of the share
+    return n
+
+
+def test_uneven_split_via_llm_kwargs(model_8l):
+    budget = 64 * MiB
+    run = run_engine(
+        _pp_kwargs(model_8l, budget, enable_pp_prop_kv_cache=True),
+        VLLM_PP_LAYER_PARTITION="6,2",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    ranks = run.ranks
+    assert [r["layers"] for r in ranks] == [6, 2]
+    _assert_proportional(ranks, budget)
+    assert ranks[0]["kv_bytes"] == 3 * ranks[1]["kv_bytes"]
+    for rank, layers in ((0, 6), (1, 2)):
+        line = re.search(
+            rf"Reserved (\d+\.\d\d) GiB for KV cache \(proportionally split from "
+            rf"0\.06 GiB based on {layers}/8 layers on rank {rank}\)",
+            run.log,
+        )
+        assert line, run.log[-4000:]
+        assert float(line.group(1)) == round(ranks[rank]["kv_bytes"] / (1 << 30), 2)
+    assert "pipeline-wide KV budget split over 2 stages" in run.log
+    assert "without flag" in run.log
+
+
+def test_even_split_via_additional_config_other_shape(model_6l):
+    budget = 40 * MiB
+    run = run_engine(
+        _pp_kwargs(
+            model_6l,
+            budget,
+            additional_config={"kvmem": {"enable_pp_prop_kv_cache": True}},
+        ),
+        VLLM_PP_LAYER_PARTITION="3,3",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    ranks = run.ranks
+    assert [r["layers"] for r in ranks] == [3, 3]
+    _assert_proportional(ranks, budget)
+    assert ranks[0]["kv_bytes"] == ranks[1]["kv_bytes"]
+
+
+def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
+    kwargs = _pp_kwargs(model_8l, 48 * MiB)
+    patched = run_engine(kwargs, VLLM_PP_LAYER_PARTITION="5,3")
+    unpatched = run_engine(
+        kwargs,
+        VLLM_PP_LAYER_PARTITION="5,3",
+        VLLM_PLUGINS="lora_filesystem_resolver",  # everything but vllm-kvmem
+        VLLM_KVMEM_AUTOREGISTER="0",
+    )
+    assert patched.returncode == 0, patched.log[-4000:]
+    assert unpatched.returncode == 0, unpatched.log[-4000:]
+    keys = ("rank", "layers", "kv_bytes", "num_blocks", "tokens", "concurrency")
+    assert [{k: r[k] for k in keys} for r in patched.ranks] == [
+        {k: r[k] for k in keys} for r in unpatched.ranks
+    ]
+    assert patched.report["token_ids"] == unpatched.report["token_ids"]
+    assert "pp_prop.py" not in unpatched.log + patched.log
+
+
+def test_share_too_small_for_one_sequence_fails_naming_rank_and_budget(model_8l):
+    # 6/2 split of 4 MiB gives rank 0 3 MiB; one 512-token sequence there
+    # needs 4 blocks + the null block of 768 KiB each.
+    run = run_engine(
+        _pp_kwargs(model_8l, 4 * MiB, enable_pp_prop_kv_cache=True),
+        VLLM_PP_LAYER_PARTITION="6,2",
+    )
+    assert run.returncode != 0
+    assert re.search(
+        r"--enable-pp-prop-kv-cache: rank 0 \(pipeline stage 0\) gets 3\.00 MiB .*"
+        r"Use `--kv-cache-memory-bytes \d+M` or more",
+        run.log,
+    ), run.log[-4000:]
+
+
+def test_bad_partition_gives_vllms_own_error(model_8l):
+    run = run_engine(
+        _pp_kwargs(model_8l, 64 * MiB, enable_pp_prop_kv_cache=True),
+        VLLM_PP_LAYER_PARTITION="5,2",
+    )
+    assert run.returncode != 0
+    assert "sum(partitions)=7 does not match num_hidden_layers=8" in run.log
+    assert "vllm_kvmem/" not in "\n".join(
+        line for line in run.log.splitlines() if line.strip().startswith("File ")
+    )
