@@ -101,28 +101,50 @@ def test_without_flag_vllm_plans_alone(model_8l):
     ]
 
 
-def test_share_above_device_limit_names_rank_share_limit_and_a_budget(model_8l):
-    cfg = _config(model_8l, budget=1 << 30)
-    specs = _specs(cfg, [6, 2])
-    limits = [300 << 20, BIG]  # rank 0 would get 768 MiB
+@pytest.mark.parametrize("tp", [1, 2])
+def test_share_above_device_limit_names_rank_share_limit_and_a_budget(model_8l, tp):
+    cfg = _config(model_8l, budget=1 << 30, tp=tp)
+    specs = _specs(cfg, [6, 2], tp=tp)
+    limits = [BIG] * (2 * tp)
+    limits[tp - 1] = 300 << 20  # the last TP rank of stage 0 would get 768 MiB
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, specs, limits)
     msg = str(e.value)
-    assert "rank 0" in msg and "768.00 MiB" in msg and "300.00 MiB" in msg
-    suggested = msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
-    ok = _config(model_8l, budget=human_readable_int(suggested))
-    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
-    assert _alloc(configs[0]) <= 300 << 20
+    assert f"rank {tp - 1} (pipeline stage 0)" in msg
+    assert "768.00 MiB" in msg and "300.00 MiB" in msg
+    suggested = human_readable_int(
+        msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
+    )
+    assert suggested >= 300 << 20  # a tight suggestion, not one TP times too small
+    ok = _config(model_8l, budget=suggested, tp=tp)
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2], tp=tp), limits)
+    assert _alloc(configs[tp - 1]) <= 300 << 20
+    too_much = _config(model_8l, budget=suggested + (2 << 20), tp=tp)
+    with pytest.raises(ValueError, match="more than its device can hold"):
+        ku.get_kv_cache_configs(too_much, _specs(too_much, [6, 2], tp=tp), limits)
 
 
-def test_share_too_small_for_one_sequence_names_a_budget_that_works(model_8l):
-    cfg = _config(model_8l, budget=2 << 20, max_len=1024)
-    specs = _specs(cfg, [6, 2])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_share_too_small_for_one_sequence_names_a_budget_that_works(model_8l, tp):
+    cfg = _config(model_8l, budget=2 << 20, max_len=1024, tp=tp)
+    specs = _specs(cfg, [6, 2], tp=tp)
     with pytest.raises(ValueError) as e:
-        ku.get_kv_cache_configs(cfg, specs, [BIG, BIG])
+        ku.get_kv_cache_configs(cfg, specs, [BIG] * (2 * tp))
     msg = str(e.value)
-    assert "rank 0" in msg and "1,024-token sequence" in msg
+    assert "rank 0 (pipeline stage 0)" in msg and "1,024-token sequence" in msg
     suggested = msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
-    ok = _config(model_8l, budget=human_readable_int(suggested), max_len=1024)
-    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), [BIG, BIG])
-    assert configs[0].num_blocks == configs[1].num_blocks > 0
+    budget = human_readable_int(suggested)
+    ok = _config(model_8l, budget=budget, max_len=1024, tp=tp)
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2], tp=tp), [BIG] * (2 * tp))
+    assert len({c.num_blocks for c in configs}) == 1
+    # ... and the suggestion is tight: one MiB less no longer holds a sequence.
+    less = _config(model_8l, budget=budget - (1 << 20), max_len=1024, tp=tp)
+    with pytest.raises(ValueError, match="1,024-token sequence"):
+        ku.get_kv_cache_configs(less, _specs(less, [6, 2], tp=tp), [BIG] * (2 * tp))
+
+
+def test_num_gpu_blocks_override_still_wins(model_8l):
+    cfg = _config(model_8l)
+    cfg.cache_config.num_gpu_blocks_override = 7
+    configs = ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [64 << 20] * 2)
+    assert [c.num_blocks for c in configs] == [7, 7]

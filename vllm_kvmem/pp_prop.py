@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 
 from vllm_kvmem.config import ADDITIONAL_CONFIG_KEY, KVMemConfig
 from vllm_kvmem.core import pp_split
-from vllm_kvmem.core.units import flag_size, gib, human_bytes
+from vllm_kvmem.core.units import MiB, flag_size, gib
 
 logger = init_logger("vllm.kvmem.pp_prop")
 
@@ -89,8 +89,14 @@ def device_kv_limit(worker: Any) -> int:
 
 
 def report_device_limit(worker: Any, original_result: int) -> int:
-    """What a worker returns from ``determine_available_memory`` with the flag."""
-    limit = device_kv_limit(worker)
+    """What a worker returns from ``determine_available_memory`` with the flag.
+
+    vLLM's explicit-budget path returns the budget less what it holds back on
+    this device (multimodal IPC buffers); the same amount is held back from
+    the device limit.
+    """
+    held_back = max(0, worker.cache_config.kv_cache_memory_bytes - original_result)
+    limit = max(0, device_kv_limit(worker) - held_back)
     logger.info(
         "KV cache budget %s GiB (%s) is pipeline-wide with %s; this rank's device "
         "can hold up to %s GiB of KV cache; the engine assigns the share.",
@@ -168,9 +174,20 @@ def proportional_kv_cache_configs(
     kv_cache_specs: list[dict[str, Any]],
     available_memory: list[int],
 ) -> list[Any]:
-    """``get_kv_cache_configs`` with the pipeline-wide budget split by stage."""
+    """``get_kv_cache_configs`` with the pipeline-wide budget split by stage.
+
+    ``available_memory`` holds what each worker's device can hold (reported by
+    the worker patch); the shares replace it.
+    """
     from vllm.v1.core import kv_cache_utils as ku
 
+    if vllm_config.cache_config.num_gpu_blocks_override is not None:
+        logger.warning(
+            "%s: --num-gpu-blocks-override decides the block count; the "
+            "pipeline-wide split is not applied.",
+            FLAG,
+        )
+        return original(vllm_config, kv_cache_specs, available_memory)
     budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
     groups = worker_groups(vllm_config, kv_cache_specs)
     if not all(groups):
@@ -178,66 +195,77 @@ def proportional_kv_cache_configs(
         return original(vllm_config, kv_cache_specs, available_memory)
     bpb = [ku._pool_bytes_per_block(vllm_config, g) for g in groups]
     stage = _stage_of_each_worker(kv_cache_specs)
-    stage_bpb: dict[int, int] = {}
-    for s, b in zip(stage, bpb):
-        stage_bpb.setdefault(s, b)
-    stage_bpb_list = [stage_bpb[s] for s in sorted(stage_bpb)]
-    per_stage = pp_split.split_budget(budget, stage_bpb_list)
+    stages = _Stages(stage, bpb, available_memory)
+    per_stage = pp_split.split_budget(budget, stages.bpb)
     shares = [per_stage[s].share_bytes for s in stage]
 
-    _check_shares_fit_devices(shares, available_memory, bpb, stage, budget)
+    _check_shares_fit_devices(stages, per_stage, budget)
     if vllm_config.model_config.original_max_model_len != -1:
         needs = [
-            ku._max_memory_usage_bytes_from_groups(vllm_config, g) + b
-            for g, b in zip(groups, bpb)
+            ku._max_memory_usage_bytes_from_groups(vllm_config, groups[r]) + bpb[r]
+            for r in stages.first_rank
         ]
-        _check_shares_hold_a_sequence(vllm_config, shares, needs, bpb, stage, budget)
+        _check_shares_hold_a_sequence(vllm_config, stages, per_stage, needs, budget)
 
     configs = original(vllm_config, kv_cache_specs, shares)
     _log_summary(vllm_config, configs, groups, bpb, shares, stage, budget)
     return configs
 
 
+class _Stages:
+    """Per-stage view of per-worker figures (TP ranks of a stage are alike)."""
+
+    def __init__(self, stage: list[int], bpb: list[int], limits: list[int]) -> None:
+        n = max(stage) + 1
+        self.first_rank = [stage.index(s) for s in range(n)]
+        self.bpb = [bpb[r] for r in self.first_rank]
+        # The tightest device of a stage bounds the stage.
+        self.limit_rank = [
+            min((r for r in range(len(stage)) if stage[r] == s), key=limits.__getitem__)
+            for s in range(n)
+        ]
+        self.limits = [limits[r] for r in self.limit_rank]
+
+
 def _check_shares_fit_devices(
-    shares: list[int],
-    limits: list[int],
-    bpb: list[int],
-    stage: list[int],
-    budget: int,
+    stages: _Stages, per_stage: list[pp_split.StageShare], budget: int
 ) -> None:
-    for rank, (share, limit) in enumerate(zip(shares, limits)):
-        if share > limit:
-            ok = pp_split.max_budget_for(limits, bpb)
+    for s, (share, limit) in enumerate(zip(per_stage, stages.limits)):
+        if share.share_bytes > limit:
+            ok = pp_split.max_budget_for(stages.limits, stages.bpb)
             raise ValueError(
-                f"{FLAG}: rank {rank} (pipeline stage {stage[rank]}) gets "
-                f"{human_bytes(share)} of the {human_bytes(budget)} "
-                f"{BUDGET_FLAG} budget, more than its device can hold "
-                f"({human_bytes(limit)} free after loading the model). Use "
-                f"`{BUDGET_FLAG} {_flag_floor(ok)}` or less, or move layers off "
-                f"this stage with VLLM_PP_LAYER_PARTITION."
+                f"{FLAG}: rank {stages.limit_rank[s]} (pipeline stage {s}) gets "
+                f"{_mib(share.share_bytes)} of the {_mib(budget)} {BUDGET_FLAG} "
+                f"budget, more than its device can hold ({_mib(limit)} free after "
+                f"loading the model). Use `{BUDGET_FLAG} {_flag_floor(ok)}` or "
+                f"less, or move layers off this stage with VLLM_PP_LAYER_PARTITION."
             )
 
 
 def _check_shares_hold_a_sequence(
     vllm_config: Any,
-    shares: list[int],
+    stages: _Stages,
+    per_stage: list[pp_split.StageShare],
     needs: list[int],
-    bpb: list[int],
-    stage: list[int],
     budget: int,
 ) -> None:
     max_len = vllm_config.model_config.max_model_len
-    for rank, (share, need) in enumerate(zip(shares, needs)):
-        if share < need:
-            ok = pp_split.min_budget_for(needs, bpb)
+    for s, (share, need) in enumerate(zip(per_stage, needs)):
+        if share.share_bytes < need:
+            ok = pp_split.min_budget_for(needs, stages.bpb)
             raise ValueError(
-                f"{FLAG}: rank {rank} (pipeline stage {stage[rank]}) gets "
-                f"{human_bytes(share)} of the {human_bytes(budget)} {BUDGET_FLAG} "
-                f"budget, less than the {human_bytes(need)} one {max_len:,}-token "
-                f"sequence needs there (limit: the share must be at least that). "
-                f"Use `{BUDGET_FLAG} {flag_size(ok)}` or more, or lower "
-                f"--max-model-len."
+                f"{FLAG}: rank {stages.first_rank[s]} (pipeline stage {s}) gets "
+                f"{_mib(share.share_bytes)} ({share.num_blocks} blocks) of the "
+                f"{_mib(budget)} {BUDGET_FLAG} budget, less than the {_mib(need)} "
+                f"({need // share.bytes_per_block} blocks, with vLLM's null block) "
+                f"one {max_len:,}-token sequence needs there. Use "
+                f"`{BUDGET_FLAG} {flag_size(ok)}` or more, or lower --max-model-len."
             )
+
+
+def _mib(num_bytes: int) -> str:
+    """Exact enough to tell two close sizes apart in an error message."""
+    return f"{num_bytes / MiB:,.2f} MiB"
 
 
 def _flag_floor(num_bytes: int) -> str:
