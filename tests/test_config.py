@@ -4,6 +4,7 @@ the same result, and bad input fails at startup naming the flag."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
@@ -106,3 +107,39 @@ def test_pipeline_size_one_warns_once(model_8l):
     assert len(warnings) == 1
     assert "--pipeline-parallel-size 1" in warnings[0]
     assert config.additional_config["kvmem"] == {"enable_pp_prop_kv_cache": True}
+
+
+def test_kv_cache_tokens_takes_sizes_through_every_door(model_8l):
+    m = str(model_8l)
+    via_cli = _cli("--model", m, "--kv-cache-tokens", "400k")
+    via_kwarg = EngineArgs(model=m, kv_cache_tokens="400k")
+    via_additional = EngineArgs(
+        model=m, additional_config={"kvmem": {"kv_cache_tokens": 400_000}}
+    )
+    configs = [
+        a.create_engine_config().additional_config["kvmem"]
+        for a in (via_cli, via_kwarg, via_additional)
+    ]
+    assert configs == [{"kv_cache_tokens": 400_000}] * 3
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [("lots", "not a size: 'lots'"), (0, "greater than or equal to 1"), (-3, ">= 1|1")],
+)
+def test_bad_kv_cache_tokens_names_the_flag(model_8l, value, match):
+    args = EngineArgs(model=str(model_8l), kv_cache_tokens=value)
+    with pytest.raises(ValueError, match="--kv-cache-tokens") as e:
+        args.create_engine_config()
+    assert re.search(match, str(e.value))
+
+
+def test_kv_cache_tokens_and_bytes_are_mutually_exclusive(model_8l, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args = EngineArgs(
+        model=str(model_8l), kv_cache_tokens=4096, kv_cache_memory_bytes=64 << 20
+    )
+    with pytest.raises(ValueError) as e:
+        args.create_engine_config()
+    assert "--kv-cache-tokens 4,096" in str(e.value)
+    assert "--kv-cache-memory-bytes 67,108,864" in str(e.value)

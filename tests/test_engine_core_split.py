@@ -23,14 +23,15 @@ import vllm_kvmem  # noqa: F401
 BIG = 1 << 40
 
 
-def _config(model, pp=2, tp=1, budget=64 << 20, max_len=512, flag=True):
+def _config(model, pp=2, tp=1, budget=64 << 20, max_len=512, flag=True, tokens=None):
     cfg = EngineArgs(
         model=str(model),
         pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
-        kv_cache_memory_bytes=budget,
+        kv_cache_memory_bytes=None if tokens else budget,
         max_model_len=max_len,
         enable_pp_prop_kv_cache=flag,
+        kv_cache_tokens=tokens,
     ).create_engine_config()
     from vllm.v1.core.single_type_kv_cache_manager import (
         register_all_kvcache_specs,
@@ -148,3 +149,82 @@ def test_num_gpu_blocks_override_still_wins(model_8l):
     cfg.cache_config.num_gpu_blocks_override = 7
     configs = ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [64 << 20] * 2)
     assert [c.num_blocks for c in configs] == [7, 7]
+
+
+def _capacity(cfg, config):
+    return ku.get_kv_cache_capacity(cfg, config)[0]
+
+
+@pytest.mark.parametrize("tokens", [5000, 16384, 100_001])
+def test_token_budget_gives_every_rank_exactly_the_blocks_needed(model_8l, tokens):
+    cfg = _config(model_8l, tp=2, tokens=tokens)
+    specs = _specs(cfg, [6, 2], tp=2, heads=[2, 4])
+    configs = ku.get_kv_cache_configs(cfg, specs, [BIG] * 4)
+    blocks = {c.num_blocks for c in configs}
+    assert len(blocks) == 1
+    n = blocks.pop()
+    assert _capacity(cfg, configs[0]) >= tokens
+    bs = cfg.cache_config.block_size
+    assert (n - 1) * bs < tokens  # one block fewer would not hold them
+    # Bytes follow each stage's own bytes per block (6 layers x 2 heads vs
+    # 2 layers x 4 heads): 12 : 8.
+    assert _alloc(configs[0]) * 8 == _alloc(configs[2]) * 12
+
+
+def test_token_budget_larger_than_a_device_names_rank_and_tokens_that_fit(model_8l):
+    cfg = _config(model_8l, tokens=200_000)
+    limits = [BIG, 10 << 20]
+    with pytest.raises(ValueError) as e:
+        ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), limits)
+    msg = str(e.value)
+    assert "--kv-cache-tokens 200,000: rank 1 needs" in msg
+    assert "10.00 MiB free" in msg
+    fit = int(msg.split("Use --kv-cache-tokens ")[-1].split(" ")[0].replace(",", ""))
+    ok = _config(model_8l, tokens=fit)
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
+    assert _alloc(configs[1]) <= 10 << 20
+    assert _capacity(ok, configs[1]) >= fit
+
+
+@pytest.mark.parametrize("tokens", [100, 512])
+def test_token_budget_below_one_sequence_is_refused(model_8l, tokens):
+    cfg = _config(model_8l, tokens=tokens, max_len=512)
+    with pytest.raises(ValueError, match=f"--kv-cache-tokens {tokens} cannot hold"):
+        ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [BIG, BIG])
+    # ... and the suggested minimum is accepted.
+    with pytest.raises(ValueError) as e:
+        ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [BIG, BIG])
+    least = int(
+        str(e.value).split("Use --kv-cache-tokens ")[1].split()[0].replace(",", "")
+    )
+    ok = _config(model_8l, tokens=least, max_len=512)
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), [BIG, BIG])
+    assert configs[0].num_blocks == 5  # 4 blocks of 128 tokens + the null block
+
+
+def test_startup_report_lists_every_rank(model_8l):
+    import logging
+
+    records = []
+
+    class H(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    log = logging.getLogger("vllm.kvmem.kv_budget")
+    h = H()
+    log.addHandler(h)
+    try:
+        cfg = _config(model_8l, tp=2, flag=False)
+        configs = ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2], tp=2), [BIG] * 4)
+    finally:
+        log.removeHandler(h)
+    (report,) = [r for r in records if r.startswith("KV cache per rank")]
+    rows = report.splitlines()[2:]
+    assert len(rows) == 4
+    for rank, (row, c) in enumerate(zip(rows, configs)):
+        rank_s, stage, layers, _gib, blocks, tokens, conc = row.split()
+        assert int(rank_s) == rank and int(stage) == rank // 2
+        assert int(layers) == (6 if rank < 2 else 2)
+        assert int(blocks.replace(",", "")) == c.num_blocks
+        assert int(tokens.replace(",", "")) == _capacity(cfg, c)

@@ -32,9 +32,8 @@ def test_gpu_limit_is_free_device_memory_after_profiling(monkeypatch):
     assert pp_prop.device_kv_limit(worker) == 7 << 30
     assert seen == [torch.device("cuda:0")]
     # vLLM held 64 MiB of the budget back (multimodal IPC): hold it back here too.
-    assert pp_prop.report_device_limit(worker, (1 << 30) - (64 << 20)) == (7 << 30) - (
-        64 << 20
-    )
+    limit = pp_prop.report_device_limit(worker, held_back=64 << 20)
+    assert limit == (7 << 30) - (64 << 20)
 
 
 def test_cpu_limit_is_the_numa_nodes_available_memory():

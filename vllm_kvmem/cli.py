@@ -20,7 +20,7 @@ def _patches(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_kvmem import demo, tiny_model
+    from vllm_kvmem import demo, planner, tiny_model
 
     parser = argparse.ArgumentParser(
         prog="kvmem", description="vllm-kvmem: KV-cache memory tools for vLLM."
@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny_model.add_arguments(p)
     p.set_defaults(func=tiny_model.run)
+    p = sub.add_parser(
+        "plan",
+        help="offline KV cache planner: capacity, budgets, pipeline partitions",
+    )
+    planner.add_arguments(p)
+    p.set_defaults(func=planner.run)
     p = sub.add_parser(
         "demo",
         help="A/B of --enable-pp-prop-kv-cache on a pipeline of 2 (tiny model)",

@@ -9,11 +9,28 @@ ships to the engine core and to every worker process.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 ADDITIONAL_CONFIG_KEY = "kvmem"
+
+
+def parse_size(value: Any) -> Any:
+    """Accept vLLM's human-readable integers ("400k", "5G") where ints go."""
+    if isinstance(value, str):
+        from vllm.utils.argparse_utils import human_readable_int
+
+        try:
+            return human_readable_int(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"not a size: {value!r} (use e.g. 400000, 400k, 512K)"
+            ) from e
+    return value
+
+
+SizeInt = Annotated[int, BeforeValidator(parse_size), Field(ge=1)]
 
 
 class KVMemConfig(BaseModel):
@@ -29,6 +46,13 @@ class KVMemConfig(BaseModel):
     proportion to its KV bytes per block, so that every stage holds the same
     number of blocks. Requires ``--kv-cache-memory-bytes``; has no effect with
     ``--pipeline-parallel-size 1``."""
+
+    kv_cache_tokens: SizeInt | None = None
+    """Size the KV cache in tokens instead of bytes (e.g. ``400k``): every rank
+    gets exactly the blocks that many tokens need, as vLLM counts capacity,
+    computed from the KV specs the workers report. Mutually exclusive with
+    ``--kv-cache-memory-bytes``; with pipeline parallelism each stage's bytes
+    follow its KV bytes per block, like ``--enable-pp-prop-kv-cache``."""
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -68,8 +92,10 @@ class KVMemConfig(BaseModel):
         except ValidationError as e:
             err = e.errors()[0]
             name = str(err["loc"][0]) if err["loc"] else "?"
-            field = cls.model_fields.get(name)
-            expected = getattr(field.annotation, "__name__", str(field.annotation))
+            expected = {
+                "bool_type": "boolean (true/false)",
+                "bool_parsing": "boolean (true/false)",
+            }.get(err["type"], "positive integer or size like 400k")
             raise ValueError(
                 f"{cls.flag(name)} (additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
                 f"[{name!r}]): invalid value {raw.get(name)!r}: {err['msg']}; "

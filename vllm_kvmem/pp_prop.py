@@ -44,10 +44,17 @@ def validate_engine_config(vllm_config: Any) -> KVMemConfig:
     cfg = KVMemConfig.from_vllm_config(vllm_config)
     additional = vllm_config.additional_config
     if ADDITIONAL_CONFIG_KEY in additional:
-        additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump()
-    if not cfg.enable_pp_prop_kv_cache:
+        additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(exclude_unset=True)
+    budget = vllm_config.cache_config.kv_cache_memory_bytes
+    if cfg.kv_cache_tokens is not None and budget is not None:
+        raise ValueError(
+            f"--kv-cache-tokens {cfg.kv_cache_tokens:,} and {BUDGET_FLAG} {budget:,} "
+            f"both size the KV cache; give one of them (on CPU, "
+            f"VLLM_CPU_KVCACHE_SPACE also sets {BUDGET_FLAG})."
+        )
+    if not cfg.enable_pp_prop_kv_cache or cfg.kv_cache_tokens is not None:
         return cfg
-    if vllm_config.cache_config.kv_cache_memory_bytes is None:
+    if budget is None:
         raise ValueError(
             f"{FLAG} needs {BUDGET_FLAG}: it splits that pipeline-wide budget "
             f"across pipeline stages. Add e.g. `{BUDGET_FLAG} 5G` or drop {FLAG}."
@@ -88,21 +95,25 @@ def device_kv_limit(worker: Any) -> int:
     return int(free)
 
 
-def report_device_limit(worker: Any, original_result: int) -> int:
-    """What a worker returns from ``determine_available_memory`` with the flag.
+def report_device_limit(worker: Any, held_back: int) -> int:
+    """What a worker returns from ``determine_available_memory`` when the engine
+    sizes the KV cache (pipeline-wide budget or token budget).
 
-    vLLM's explicit-budget path returns the budget less what it holds back on
-    this device (multimodal IPC buffers); the same amount is held back from
-    the device limit.
+    ``held_back`` is what vLLM's explicit-budget path kept off the budget on
+    this device (multimodal IPC buffers); it is kept off the limit too.
     """
-    held_back = max(0, worker.cache_config.kv_cache_memory_bytes - original_result)
-    limit = max(0, device_kv_limit(worker) - held_back)
+    limit = max(0, device_kv_limit(worker) - max(0, held_back))
+    budget = worker.cache_config.kv_cache_memory_bytes
+    how = (
+        f"KV cache budget {gib(budget)} GiB ({BUDGET_FLAG}) is pipeline-wide with "
+        f"{FLAG}"
+        if budget is not None
+        else "KV cache is sized in tokens (--kv-cache-tokens)"
+    )
     logger.info(
-        "KV cache budget %s GiB (%s) is pipeline-wide with %s; this rank's device "
-        "can hold up to %s GiB of KV cache; the engine assigns the share.",
-        gib(worker.cache_config.kv_cache_memory_bytes),
-        BUDGET_FLAG,
-        FLAG,
+        "%s; this rank's device can hold up to %s GiB of KV cache; the engine "
+        "assigns this rank's share.",
+        how,
         gib(limit),
     )
     return limit
@@ -173,11 +184,12 @@ def proportional_kv_cache_configs(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, Any]],
     available_memory: list[int],
-) -> list[Any]:
+) -> tuple[list[Any], dict[str, list[str]], list[str]]:
     """``get_kv_cache_configs`` with the pipeline-wide budget split by stage.
 
     ``available_memory`` holds what each worker's device can hold (reported by
-    the worker patch); the shares replace it.
+    the worker patch); the shares replace it. Also returns the startup
+    report's extra columns and trailer lines.
     """
     from vllm.v1.core import kv_cache_utils as ku
 
@@ -187,12 +199,12 @@ def proportional_kv_cache_configs(
             "pipeline-wide split is not applied.",
             FLAG,
         )
-        return original(vllm_config, kv_cache_specs, available_memory)
+        return original(vllm_config, kv_cache_specs, available_memory), {}, []
     budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
     groups = worker_groups(vllm_config, kv_cache_specs)
     if not all(groups):
         logger.info("%s: a stage has no KV cache layers; split not applied.", FLAG)
-        return original(vllm_config, kv_cache_specs, available_memory)
+        return original(vllm_config, kv_cache_specs, available_memory), {}, []
     bpb = [ku._pool_bytes_per_block(vllm_config, g) for g in groups]
     stage = _stage_of_each_worker(kv_cache_specs)
     stages = _Stages(stage, bpb, available_memory)
@@ -208,8 +220,10 @@ def proportional_kv_cache_configs(
         _check_shares_hold_a_sequence(vllm_config, stages, per_stage, needs, budget)
 
     configs = original(vllm_config, kv_cache_specs, shares)
-    _log_summary(vllm_config, configs, groups, bpb, shares, stage, budget)
-    return configs
+    extra, trailer = comparison_columns(
+        vllm_config, configs, groups, bpb, shares, stage, budget
+    )
+    return configs, extra, trailer
 
 
 class _Stages:
@@ -279,45 +293,7 @@ def _capacity(vllm_config: Any, config: Any) -> tuple[int, float]:
     return get_kv_cache_capacity(vllm_config, config)
 
 
-def summary_rows(
-    vllm_config: Any,
-    configs: Sequence[Any],
-    groups: Sequence[Any],
-    bpb: Sequence[int],
-    budget: int,
-) -> list[dict[str, Any]]:
-    """Per rank: what the split gives, and what the same budget gives without it.
-
-    Without the flag every rank is handed the whole budget and vLLM then cuts
-    every rank to the smallest block count (PR #25164).
-    """
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-
-    base_blocks = pp_split.uniform_blocks(budget, bpb)
-    rows = []
-    for rank, (cfg, g, b) in enumerate(zip(configs, groups, bpb)):
-        tokens, conc = _capacity(vllm_config, cfg)
-        base_cfg = get_kv_cache_config_from_groups(vllm_config, g, base_blocks * b)
-        base_tokens, base_conc = _capacity(vllm_config, base_cfg)
-        rows.append(
-            dict(
-                rank=rank,
-                layers=sum(len(x.layer_names) for x in g),
-                bytes_per_block=b,
-                kv_bytes=cfg.num_blocks * b,
-                blocks=cfg.num_blocks,
-                tokens=tokens,
-                concurrency=conc,
-                base_kv_bytes=base_cfg.num_blocks * b,
-                base_blocks=base_cfg.num_blocks,
-                base_tokens=base_tokens,
-                base_concurrency=base_conc,
-            )
-        )
-    return rows
-
-
-def _log_summary(
+def comparison_columns(
     vllm_config: Any,
     configs: Sequence[Any],
     groups: Sequence[Any],
@@ -325,30 +301,37 @@ def _log_summary(
     shares: Sequence[int],
     stage: Sequence[int],
     budget: int,
-) -> None:
-    rows = summary_rows(vllm_config, configs, groups, bpb, budget)
-    max_len = vllm_config.model_config.max_model_len
-    lines = [
-        f"{FLAG}: {gib(budget)} GiB pipeline-wide KV budget split over "
-        f"{len(set(stage))} stages by KV bytes per block "
-        f"(max_model_len {max_len:,}):",
-        f"  {'rank':>4} {'stage':>5} {'layers':>6} {'share GiB':>9} "
-        f"{'KV GiB':>7} {'blocks':>8} {'tokens':>10} {'conc':>7} | "
-        f"{'without flag: KV GiB':>20} {'tokens':>10} {'conc':>7}",
-    ]
-    for r, share, s in zip(rows, shares, stage):
-        lines.append(
-            f"  {r['rank']:>4} {s:>5} {r['layers']:>6} {gib(share):>9} "
-            f"{gib(r['kv_bytes']):>7} {r['blocks']:>8,} {r['tokens']:>10,} "
-            f"{r['concurrency']:>6.2f}x | {gib(r['base_kv_bytes']):>20} "
-            f"{r['base_tokens']:>10,} {r['base_concurrency']:>6.2f}x"
-        )
-    firsts = [stage.index(s) for s in sorted(set(stage))]  # one TP shard
-    total = sum(rows[i]["kv_bytes"] for i in firsts)
-    base_total = sum(rows[i]["base_kv_bytes"] for i in firsts)
-    lines.append(
-        f"  total KV allocated per TP shard {gib(total)} GiB of {gib(budget)} GiB "
-        f"(without the flag: {gib(base_total)} GiB, each rank handed "
-        f"{gib(budget)} GiB)"
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Startup-report columns: each rank's share, and what the same budget gives
+    without the flag (every rank handed the whole budget, then cut by vLLM to
+    the smallest block count, PR #25164)."""
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_capacity,
+        get_kv_cache_config_from_groups,
     )
-    logger.info("\n".join(lines))
+
+    base_blocks = pp_split.uniform_blocks(budget, bpb)
+    cols: dict[str, list[str]] = {
+        "share GiB": [],
+        "w/o flag: KV GiB": [],
+        "tokens": [],
+        "conc": [],
+    }
+    base_bytes = []
+    for g, b, share in zip(groups, bpb, shares):
+        base = get_kv_cache_config_from_groups(vllm_config, g, base_blocks * b)
+        tokens, conc = get_kv_cache_capacity(vllm_config, base)
+        base_bytes.append(base.num_blocks * b)
+        cols["share GiB"].append(f"{share / (1 << 30):.3f}")
+        cols["w/o flag: KV GiB"].append(f"{base_bytes[-1] / (1 << 30):.3f}")
+        cols["tokens"].append(f"{tokens:,}")
+        cols["conc"].append(f"{conc:.2f}x")
+    firsts = [list(stage).index(s) for s in sorted(set(stage))]  # one TP shard
+    total = sum(configs[i].num_blocks * bpb[i] for i in firsts)
+    base_total = sum(base_bytes[i] for i in firsts)
+    trailer = [
+        f"  total KV per TP shard: {gib(total)} GiB of the {gib(budget)} GiB "
+        f"pipeline-wide budget (without {FLAG}: {gib(base_total)} GiB, every "
+        f"rank handed {gib(budget)} GiB)"
+    ]
+    return cols, trailer

@@ -7,11 +7,9 @@ from vllm_kvmem.patches._registry import Patch
 
 def _make(original):
     def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
-        from vllm_kvmem.pp_prop import is_active, proportional_kv_cache_configs
+        from vllm_kvmem.kv_budget import plan_kv_cache_configs
 
-        if not is_active(vllm_config) or not any(kv_cache_specs):
-            return original(vllm_config, kv_cache_specs, available_memory)
-        return proportional_kv_cache_configs(
+        return plan_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory
         )
 
@@ -28,7 +26,11 @@ PATCH = Patch(
     "then cuts all stages to the smallest block count (PR #25164). With uneven "
     "stages the operator cannot give the pipeline one total budget; "
     "`--enable-pp-prop-kv-cache` makes the budget pipeline-wide.",
-    how="Only with the flag, a budget and pipeline size > 1: forms each worker's "
+    how="Always logs one startup table of every rank's layers, KV bytes, blocks, "
+    "tokens and concurrency. With `--kv-cache-tokens`: gives every rank exactly "
+    "the blocks those tokens need (as vLLM counts capacity) from its own KV specs, "
+    "checked against each worker's device limit. With the flag, a budget and "
+    "pipeline size > 1: forms each worker's "
     "KV cache groups with vLLM's own functions, computes bytes per block per "
     "stage, gives stage s `T * bpb(s) / sum(bpb)` (so all stages hold "
     "`T // sum(bpb)` blocks), checks each share against the limit the worker "
