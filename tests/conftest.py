@@ -57,10 +57,17 @@ class EngineRun:
         return self.report["ranks"]
 
 
-def run_engine(llm_kwargs: dict[str, Any], **env: str) -> EngineRun:
-    """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank."""
+def run_engine(
+    llm_kwargs: dict[str, Any], workload: dict[str, Any] | None = None, **env: str
+) -> EngineRun:
+    """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank.
+
+    ``workload``: ``prompts``, ``max_tokens`` and ``rounds`` for
+    ``vllm_kvmem.engine_report.run``.
+    """
+    argv = [json.dumps(llm_kwargs), json.dumps(workload or {})]
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kvmem.engine_report", json.dumps(llm_kwargs)],
+        [sys.executable, "-m", "vllm_kvmem.engine_report", *argv],
         cwd=ROOT,
         env=engine_env(**env),
         capture_output=True,

@@ -62,8 +62,8 @@ def test_uneven_split_via_llm_kwargs(model_8l):
         )
         assert line, run.log[-4000:]
         assert float(line.group(1)) == round(ranks[rank]["kv_bytes"] / (1 << 30), 2)
-    assert "pipeline-wide KV budget split over 2 stages" in run.log
-    assert "without flag" in run.log
+    assert "pipeline-wide, split by KV bytes per block" in run.log
+    assert "w/o flag: KV GiB" in run.log
 
 
 def test_even_split_via_additional_config_other_shape(model_6l):

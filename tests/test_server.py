@@ -94,4 +94,4 @@ def test_server_flags_split_and_serve(model_8l, tmp_path):
             rf"0\.06 GiB based on {layers}/8 layers on rank {rank}\)",
             text,
         ), text[-4000:]
-    assert "pipeline-wide KV budget split over 2 stages" in text
+    assert "pipeline-wide, split by KV bytes per block" in text

@@ -27,6 +27,7 @@ def rank_kv_report(worker: Any) -> dict[str, Any]:
         storages[s.data_ptr()] = s.nbytes()
     cfg = runner.kv_cache_config
     tokens, concurrency = get_kv_cache_capacity(worker.vllm_config, cfg)
+    first = runner.kv_caches[0] if runner.kv_caches else None
     layers = sorted({n for g in cfg.kv_cache_groups for n in g.layer_names})
     return {
         "rank": worker.rank,
@@ -41,6 +42,11 @@ def rank_kv_report(worker: Any) -> dict[str, Any]:
         "max_model_len": worker.vllm_config.model_config.max_model_len,
         "kv_cache_memory_bytes": worker.cache_config.kv_cache_memory_bytes,
         "layout": cfg.kv_cache_layout,
+        "view_shape": list(first.shape) if first is not None else None,
+        "view_stride_bytes": [x * first.element_size() for x in first.stride()]
+        if first is not None
+        else None,
+        "page_bytes": cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes,
     }
 
 

@@ -7,6 +7,7 @@ generated from these records (``kvmem patches --markdown``).
 from __future__ import annotations
 
 from vllm_kvmem.patches._registry import Patch, apply_all, is_applied, original_of
+from vllm_kvmem.patches.cpu_attn_layouts import PATCH as CPU_ATTN_LAYOUTS
 from vllm_kvmem.patches.cpu_worker_memory import PATCH as CPU_WORKER_MEMORY
 from vllm_kvmem.patches.engine_args_cli import PATCH as ENGINE_ARGS_CLI
 from vllm_kvmem.patches.engine_args_config import PATCH as ENGINE_ARGS_CONFIG
@@ -15,6 +16,7 @@ from vllm_kvmem.patches.engine_args_init import ASYNC_PATCH as ASYNC_ENGINE_ARGS
 from vllm_kvmem.patches.engine_args_init import PATCH as ENGINE_ARGS_INIT
 from vllm_kvmem.patches.gpu_worker_memory import PATCH as GPU_WORKER_MEMORY
 from vllm_kvmem.patches.kv_cache_configs import PATCH as KV_CACHE_CONFIGS
+from vllm_kvmem.patches.kv_cache_layout import PATCH as KV_CACHE_LAYOUT
 from vllm_kvmem.patches.worker_kv_share_log import PATCH as WORKER_KV_SHARE_LOG
 
 ALL_PATCHES: tuple[Patch, ...] = (
@@ -27,6 +29,8 @@ ALL_PATCHES: tuple[Patch, ...] = (
     GPU_WORKER_MEMORY,
     CPU_WORKER_MEMORY,
     WORKER_KV_SHARE_LOG,
+    KV_CACHE_LAYOUT,
+    CPU_ATTN_LAYOUTS,
 )
 
 __all__ = ["ALL_PATCHES", "Patch", "apply_all", "is_applied", "original_of"]

@@ -1,0 +1,322 @@
+"""The block copy engine on KV caches laid out by vLLM itself.
+
+The caches are planned by vLLM's own ``get_kv_cache_config_from_groups`` and
+allocated by its ``allocate_kv_cache`` (one backing int8 allocation, per-layer
+views by stride) for the layer-outer LBHNC and the block-outer BLHNC layouts,
+so the round trips prove the engine on the byte placement vLLM really uses.
+The expected bytes of a block are read through vLLM's per-layer views, not
+through the engine's own geometry.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from vllm_kvmem.core.copy_engine import (
+    BlockCopyEngine,
+    HostBlockPool,
+    KVRegion,
+    host_slot_bytes,
+)
+
+kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+kv_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+worker_utils = pytest.importorskip("vllm.v1.worker.utils")
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+LBHNC = KVCacheLayout.LBHNC  # layer-outer: one region per layer
+BLHNC = KVCacheLayout.BLHNC  # block-outer: all layers of a block adjacent
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@dataclass
+class VllmCache:
+    layout: KVCacheLayout
+    config: object  # vllm KVCacheConfig
+    caches: dict[str, torch.Tensor]
+    regions: list[KVRegion]
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.regions[0].base
+
+    def block_bytes(self, block: int) -> torch.Tensor:
+        """Every layer's page of ``block``, read through vLLM's own views."""
+        pages = [
+            self.caches[name][block].reshape(-1).view(torch.uint8)
+            for tensor in self.config.kv_cache_tensors
+            for name in tensor.layers
+        ]
+        return torch.cat(pages).cpu()
+
+    def block_mask(self, blocks: list[int]) -> torch.Tensor:
+        """Bytes of the backing allocation that belong to ``blocks``."""
+        mask = torch.zeros(self.base.numel(), dtype=torch.bool)
+        for r in self.regions:
+            for b in blocks:
+                for layer in range(r.num_layers):
+                    start = r.offset + layer * r.layer_stride + b * r.block_stride
+                    mask[start : start + r.page_bytes] = True
+        return mask
+
+
+def _fake_vllm_config(layout: KVCacheLayout, num_blocks: int) -> object:
+    """The few fields ``get_kv_cache_config_from_groups`` reads."""
+    cache_config = types.SimpleNamespace(
+        get_resolved_kv_cache_layout=lambda: layout,
+        num_gpu_blocks_override=num_blocks,
+        prefix_cache_retention_interval=None,
+    )
+    return types.SimpleNamespace(
+        cache_config=cache_config,
+        attention_config=types.SimpleNamespace(hisparse_config=None),
+    )
+
+
+def vllm_cache(
+    layout: KVCacheLayout,
+    head_sizes: list[int],
+    *,
+    num_blocks: int = 24,
+    block_size: int = 16,
+    num_kv_heads: int = 2,
+    device: str = "cpu",
+    with_regions: bool = True,
+) -> VllmCache:
+    """Plan and allocate a KV cache exactly as a vLLM 0.32 worker does."""
+    specs = {
+        f"model.layers.{i}.attn": kv_iface.FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=h,
+            dtype=torch.bfloat16,
+        )
+        for i, h in enumerate(head_sizes)
+    }
+    if len(set(head_sizes)) == 1:
+        group_spec = next(iter(specs.values()))
+    else:  # two page sizes in one group: two KVCacheTensors
+        group_spec = kv_iface.UniformTypeKVCacheSpecs(
+            block_size=block_size, kv_cache_specs=specs
+        )
+    group = kv_iface.KVCacheGroupSpec(list(specs), group_spec)
+    config = kv_utils.get_kv_cache_config_from_groups(
+        _fake_vllm_config(layout, num_blocks), [group], 1 << 40
+    )
+    caches = worker_utils.allocate_kv_cache(config, torch.device(device), layout)
+    regions = [
+        KVRegion.from_views([caches[n] for n in t.layers], config.num_blocks)
+        for t in config.kv_cache_tensors
+        if with_regions
+    ]
+    return VllmCache(layout, config, caches, regions)
+
+
+def _fill_random(base: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    base.copy_(torch.randint(0, 256, (base.numel(),), dtype=torch.uint8, generator=g))
+
+
+def round_trip(
+    cache: VllmCache,
+    engine: BlockCopyEngine,
+    src_blocks: list[int],
+    slots: list[int],
+    dst_blocks: list[int],
+) -> None:
+    """Save, scribble, load into other blocks; compare byte for byte."""
+    _fill_random(cache.base, seed=1)
+    expected = {b: cache.block_bytes(b) for b in src_blocks}
+
+    save = engine.save(src_blocks, slots)
+    save.wait()
+    assert save.done()
+    for b, s in zip(src_blocks, slots):
+        assert torch.equal(engine.pool.slot(s), expected[b]), (b, s)
+
+    _fill_random(cache.base, seed=2)  # scribble over every device block
+    before = cache.base.cpu().clone()
+    load = engine.load(slots, dst_blocks)
+    load.make_current_stream_wait()
+    load.wait()
+    for b, d in zip(src_blocks, dst_blocks):
+        assert torch.equal(cache.block_bytes(d), expected[b]), (b, d)
+    untouched = ~cache.block_mask(dst_blocks)
+    assert torch.equal(cache.base.cpu()[untouched], before[untouched])
+
+
+def make_engine(cache: VllmCache, num_slots: int = 32, **kw) -> BlockCopyEngine:
+    pool = HostBlockPool.for_regions(cache.regions, num_slots)
+    return BlockCopyEngine(cache.regions, pool, cache.base.device, **kw)
+
+
+CASES = {
+    # name: (src blocks, host slots, destination blocks)
+    "unsorted": (
+        [7, 2, 11, 3, 4, 5, 20],
+        [5, 0, 9, 1, 2, 3, 6],
+        [0, 13, 1, 14, 15, 16, 22],
+    ),
+    "partial_last_run": ([8, 9, 10, 11, 12], [0, 1, 2, 3, 7], [17, 18, 19, 20, 2]),
+    "single_block": ([23], [31], [0]),
+    "reversed_run": ([6, 5, 4, 3], [3, 2, 1, 0], [10, 11, 12, 13]),
+    "scattered": ([1, 21, 9, 15], [30, 3, 17, 8], [5, 6, 7, 8]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=lambda x: x.name)
+@pytest.mark.parametrize(
+    "head_sizes", [[64] * 4, [64, 64, 64, 32, 32]], ids=["one_region", "two_regions"]
+)
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip_bit_exact(device, layout, head_sizes, case):
+    cache = vllm_cache(layout, head_sizes, device=device)
+    assert len(cache.regions) == (1 if len(set(head_sizes)) == 1 else 2)
+    engine = make_engine(cache)
+    assert engine.strategy == ("direct" if layout is BLHNC else "gather")
+    round_trip(cache, engine, *CASES[case])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=lambda x: x.name)
+def test_forced_gather_and_small_staging_round_trip(device, layout):
+    """The gather path works on any layout, also in staging-sized chunks."""
+    cache = vllm_cache(layout, [64, 64, 32], device=device)
+    slot = host_slot_bytes(cache.regions)
+    engine = make_engine(cache, strategy="gather", max_staging_bytes=2 * slot)
+    round_trip(cache, engine, *CASES["unsorted"])
+
+
+def test_regions_match_vllm_kv_cache_tensors():
+    """Geometry read off the views equals vLLM's KVCacheTensor numbers."""
+    for layout in (LBHNC, BLHNC):
+        cache = vllm_cache(layout, [64, 64, 64, 32, 32])
+        for region, t in zip(cache.regions, cache.config.kv_cache_tensors):
+            spec = cache.config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs[
+                t.layers[0]
+            ]
+            explicit = KVRegion.from_kv_cache_tensor(
+                region.base, t, spec.page_size_bytes, cache.config.num_blocks
+            )
+            for name in (
+                "offset",
+                "num_layers",
+                "page_bytes",
+                "layer_stride",
+                "block_stride",
+                "num_blocks",
+            ):
+                assert getattr(region, name) == getattr(explicit, name), name
+            assert region.base.numel() == t.size
+            assert region.layers_adjacent == (layout is BLHNC)
+
+
+def test_contiguous_runs_are_coalesced():
+    cache = vllm_cache(BLHNC, [64] * 4)
+    engine = make_engine(cache)
+    assert engine.save([4, 5, 6, 9], [0, 1, 2, 3]).num_ops == 2
+    assert engine.save([9, 6, 4, 5], [3, 2, 0, 1]).num_ops == 2  # unsorted
+    assert engine.save([4, 5, 6, 9], [0, 1, 5, 3]).num_ops == 3  # slots break
+    assert engine.save(list(range(10, 20)), list(range(20, 30))).num_ops == 1
+    assert engine.save([1, 3, 5, 7], [0, 1, 2, 3]).num_ops == 4  # one per block
+    assert engine.load([0, 1, 2, 3], [4, 5, 6, 9]).num_ops == 2
+
+
+def test_block_outer_regions_merge_into_one_copy_per_run():
+    """Two KVCacheTensors side by side in a block are still one copy."""
+    cache = vllm_cache(BLHNC, [64, 64, 64, 32, 32])
+    engine = make_engine(cache)
+    assert engine.save([4, 5, 6, 9], [0, 1, 2, 3]).num_ops == 2
+
+
+@pytest.mark.parametrize("head_sizes", [[64] * 2, [64] * 8, [64, 64, 32]])
+def test_per_layer_ops_do_not_grow_with_blocks_or_layers(head_sizes):
+    cache = vllm_cache(LBHNC, head_sizes)
+    engine = make_engine(cache)
+    ops = set()
+    for n in (1, 3, 8, 20):
+        blocks = torch.randperm(24, generator=torch.Generator().manual_seed(n))[:n]
+        ops.add(engine.save(blocks, list(range(n))).num_ops)
+        ops.add(engine.load(list(range(n)), blocks).num_ops)
+    assert ops == {len(cache.regions)}
+
+
+def test_empty_transfer_is_a_finished_job():
+    engine = make_engine(vllm_cache(BLHNC, [64] * 2))
+    job = engine.save([], [])
+    assert (job.num_ops, job.num_blocks, job.num_bytes, job.done()) == (0, 0, 0, True)
+
+
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=lambda x: x.name)
+def test_bad_inputs_name_the_bad_value(layout):
+    engine = make_engine(vllm_cache(layout, [64] * 2), num_slots=8)
+    with pytest.raises(ValueError, match="block_ids has 2 entries but slot_ids has 1"):
+        engine.save([1, 2], [0])
+    with pytest.raises(ValueError, match=r"block id 24 \(position 1\) is out of range"):
+        engine.save([3, 24], [0, 1])
+    with pytest.raises(ValueError, match=r"block id -1 \(position 0\)"):
+        engine.load([0], [-1])
+    with pytest.raises(ValueError, match=r"slot id 8 \(position 2\) is out of range"):
+        engine.save([1, 2, 3], [0, 1, 8])
+    with pytest.raises(ValueError, match="slot id 5 appears more than once"):
+        engine.save([1, 2], [5, 5])
+    with pytest.raises(ValueError, match="block id 7 appears more than once"):
+        engine.load([0, 1], [7, 7])
+    with pytest.raises(ValueError, match=r"slot_ids\[1\] is not an integer id"):
+        engine.save([1, 2], [0, 1.5])
+
+
+def test_engine_rejects_mismatched_pool_and_forced_direct():
+    cache = vllm_cache(LBHNC, [64] * 2)
+    with pytest.raises(ValueError, match="host pool slots hold 100 bytes"):
+        BlockCopyEngine(cache.regions, HostBlockPool(4, 100), "cpu")
+    with pytest.raises(ValueError, match="strategy 'direct' needs"):
+        make_engine(cache, strategy="direct")
+
+
+def test_from_views_rejects_unequal_strides_and_scattered_pages():
+    cache = vllm_cache(LBHNC, [64] * 4)
+    names = cache.config.kv_cache_tensors[0].layers
+    with pytest.raises(ValueError, match="not equally strided"):
+        KVRegion.from_views([cache.caches[names[i]] for i in (0, 1, 3)])
+    with pytest.raises(ValueError, match="increasing address order"):
+        KVRegion.from_views([cache.caches[names[1]], cache.caches[names[0]]])
+    heads_outer = vllm_cache(KVCacheLayout.LHBNC, [64] * 2, with_regions=False)
+    views = list(heads_outer.caches.values())
+    with pytest.raises(ValueError, match="not one contiguous run of bytes"):
+        KVRegion.from_views(views)
+
+
+def test_region_validation():
+    base = torch.zeros(1000, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="runs past its backing allocation"):
+        KVRegion(base, 0, 2, 100, 100, 200, num_blocks=6)
+    with pytest.raises(ValueError, match="pages overlap"):
+        KVRegion(base, 0, 2, 100, 50, 200, num_blocks=2)
+    region = KVRegion(base, 0, 2, 100, 100, 200)  # num_blocks from the size
+    assert region.num_blocks == 5 and region.block_bytes == 200
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_pool_pinning_falls_back_with_one_warning():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.kvmem.copy_engine")
+    log.addHandler(handler)
+    try:
+        pool = HostBlockPool(4, 64, pin_memory=True)
+    finally:
+        log.removeHandler(handler)
+    assert not pool.pinned and pool.tensor.shape == (4, 64)
+    assert pool.tensor.data_ptr() % mmap.PAGESIZE == 0  # pinnable pages of its own
+    assert [r.levelno for r in records] == [logging.WARNING]
+    assert "pageable" in records[0].getMessage()
+    assert not HostBlockPool(4, 64).pinned  # default: pin only with CUDA

@@ -1,0 +1,126 @@
+"""Layout resolution for connectors that opt in, on vLLM's real resolver.
+
+Calls the patched ``resolve_kv_cache_layout`` the way the engine core does,
+with a real VllmConfig and real vLLM KV specs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+import vllm_kvmem  # noqa: F401
+
+EXAMPLE = {
+    "kv_connector": "ContiguousLayoutExampleConnector",
+    "kv_connector_module_path": "vllm_kvmem.connectors.contiguous_example",
+    "kv_role": "kv_both",
+}
+FULL = FullAttentionSpec(
+    block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+)
+SLIDING = SlidingWindowSpec(
+    block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+    sliding_window=256,
+)  # fmt: skip
+MLA = MLAAttentionSpec(
+    block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+)
+CPU_LAYOUTS = [["LBHNC", "BLHNC"]]
+
+
+def _config(model, connector=EXAMPLE):
+    return EngineArgs(
+        model=str(model), kv_transfer_config=connector, kv_cache_memory_bytes=1 << 26
+    ).create_engine_config()
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def layout_log(model_8l):
+    # vLLM configures its loggers when it first builds a config: do that first.
+    _config(model_8l, None)
+    cap = _Capture()
+    log = logging.getLogger("vllm.kvmem.layout")
+    log.addHandler(cap)
+    yield cap.lines
+    log.removeHandler(cap)
+
+
+def test_opted_in_uniform_model_gets_blhnc(model_8l, layout_log):
+    cfg = _config(model_8l)
+    layout_log.clear()
+    layout = resolve_kv_cache_layout(cfg, CPU_LAYOUTS * 2, [FULL] * 8)
+    assert layout.name == "BLHNC" and layout.is_block_outermost
+    assert cfg.cache_config.kv_cache_layout == "BLHNC"
+    assert any("contiguous across layers" in m for m in layout_log)
+
+
+def test_no_connector_or_no_opt_in_keeps_vllms_choice(model_8l, layout_log):
+    assert resolve_kv_cache_layout(
+        _config(model_8l, None), CPU_LAYOUTS, [FULL]
+    ).name == ("LBHNC")
+    example = {**EXAMPLE, "kv_connector": "ExampleConnector"}
+    example.pop("kv_connector_module_path")
+    example["kv_connector_extra_config"] = {"shared_storage_path": "/tmp/kvmem-x"}
+    cfg = _config(model_8l, example)
+    assert resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
+    assert layout_log == []  # nothing said when nobody asked
+
+
+@pytest.mark.parametrize(
+    "specs,layouts,reason",
+    [
+        ([FULL] * 4 + [SLIDING] * 4, CPU_LAYOUTS, "not one uniform KV cache group"),
+        ([MLA] * 4, [["LBHNC", "BLHNC"]], "MLA"),
+        ([FULL] * 8, [["LBHNC"]], "supports only LBHNC"),
+    ],
+)
+def test_fallback_logs_one_line_naming_the_condition(
+    model_8l, layout_log, specs, layouts, reason
+):
+    cfg = _config(model_8l)
+    try:
+        layout = resolve_kv_cache_layout(cfg, layouts, specs)
+    except ValueError:
+        # vLLM itself refuses some spec mixes on some layout sets; our part is
+        # only that we said why we did not pick the contiguous layout.
+        layout = None
+    assert layout is None or not layout.is_block_outermost
+    said = [m for m in layout_log if "asks for the contiguous KV layout" in m]
+    assert len(said) == 1 and reason in said[0], layout_log
+
+
+def test_explicit_env_layout_wins(model_8l, layout_log, monkeypatch):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBHNC")
+    import vllm.envs as envs
+
+    if hasattr(envs, "cache_clear"):
+        envs.cache_clear()
+    cfg = _config(model_8l)
+    assert resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
+    assert any("VLLM_KV_CACHE_LAYOUT=LBHNC" in m for m in layout_log)
+
+
+def test_cpu_backend_declares_blhnc_after_lbhnc():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    names = [x.name for x in CPUAttentionBackend.supported_kv_cache_layouts()]
+    assert names == ["LBHNC", "BLHNC"]

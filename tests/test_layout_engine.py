@@ -1,0 +1,89 @@
+"""The contiguous (block-outer) layout on a real CPU engine.
+
+CPU_ATTN, once it declares BLHNC, must produce token-identical greedy output
+to its default LBHNC layout: prompts spanning many blocks, prefix-cache hits
+(a second round of the same prompts) and chunked prefill (small batches), at
+two block sizes. And a connector that opts in gets BLHNC end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_engine
+
+pytestmark = pytest.mark.engine
+
+WORDS = (
+    "cache block layer page token memory host device copy stage pipeline "
+    "budget window request batch prefix tier spill load hit miss engine"
+).split()
+
+
+def _prompts() -> list[str]:
+    # ~420-token shared prefix (a prefix-cache hit for every prompt after the
+    # first) and distinct ~260-token tails: each prompt spans many blocks.
+    prefix = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(300))
+    return [
+        prefix + " " + " ".join(WORDS[(i * k + 3) % len(WORDS)] for i in range(180))
+        for k in (1, 5, 11)
+    ]
+
+
+WORKLOAD = {"prompts": _prompts(), "max_tokens": 24, "rounds": 2}
+
+
+def _run(model, block_size, **env):
+    return run_engine(
+        dict(
+            model=str(model),
+            kv_cache_memory_bytes=32 << 20,
+            max_model_len=2048,
+            block_size=block_size,
+            max_num_batched_tokens=256,  # chunked prefill of every prompt
+            enforce_eager=True,
+        ),
+        WORKLOAD,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        **env,
+    )
+
+
+@pytest.mark.parametrize("block_size", [32, 128])
+def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size):
+    base = _run(model_8l, block_size)
+    contiguous = _run(model_8l, block_size, VLLM_KV_CACHE_LAYOUT="BLHNC")
+    assert base.returncode == 0, base.log[-4000:]
+    assert contiguous.returncode == 0, contiguous.log[-4000:]
+    (b,), (c,) = base.ranks, contiguous.ranks
+    assert (b["layout"], c["layout"]) == ("LBHNC", "BLHNC")
+    page = c["page_bytes"]
+    # Per-layer views: block stride is one page (LBHNC) or 8 layers x page.
+    assert page in b["view_stride_bytes"] and 8 * page not in b["view_stride_bytes"]
+    assert 8 * page in c["view_stride_bytes"]
+    assert contiguous.report["token_ids"] == base.report["token_ids"]
+    # The second round and the later prompts hit the prefix cache.
+    assert all(n >= block_size for n in contiguous.report["cached_tokens"][1])
+    assert contiguous.report["cached_tokens"] == base.report["cached_tokens"]
+
+
+def test_opted_in_connector_gets_the_contiguous_layout(model_8l):
+    run = run_engine(
+        dict(
+            model=str(model_8l),
+            kv_cache_memory_bytes=32 << 20,
+            max_model_len=1024,
+            enforce_eager=True,
+            kv_transfer_config={
+                "kv_connector": "ContiguousLayoutExampleConnector",
+                "kv_connector_module_path": "vllm_kvmem.connectors.contiguous_example",
+                "kv_role": "kv_both",
+            },
+        ),
+        {"prompts": _prompts()[:1], "max_tokens": 4},
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    (r,) = run.ranks
+    assert r["layout"] == "BLHNC"
+    assert 8 * r["page_bytes"] in r["view_stride_bytes"]
+    assert "Using BLHNC KV cache layout: contiguous across layers" in run.log

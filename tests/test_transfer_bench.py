@@ -1,0 +1,65 @@
+"""Smoke test of benchmarks/transfer_bench.py: it runs and reports (no speed checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "transfer_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("transfer_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_quick_run_writes_json_and_png(bench, tmp_path, capsys):
+    out = tmp_path / "transfer.json"
+    assert (
+        bench.main(["--quick", "--device", "cpu", "--iters", "1", "--out", str(out)])
+        == 0
+    )
+
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu"
+    assert {"device_name", "torch", "config", "ceiling", "results", "targets"} <= set(
+        report
+    )
+    for direction in ("d2h", "h2d"):
+        assert report["ceiling"][direction]["gbps"] > 0
+
+    results = report["results"]
+    keys = {"shape", "block_size", "layout", "pattern", "direction", "gbps", "num_ops"}
+    assert results and all(keys <= set(r) for r in results)
+    assert all(r["gbps"] > 0 and r["seconds"] > 0 and r["bytes"] > 0 for r in results)
+    combos = {(r["shape"], r["layout"], r["pattern"], r["direction"]) for r in results}
+    assert len(combos) == 2 * 4 * 2 * 2  # shapes x layouts x patterns x directions
+    assert {r["block_size"] for r in results} == {16, 32}
+
+    # Coalescing shows up in the op counts: one copy for a consecutive run on
+    # the contiguous layout, one per layer per block for the naive baseline.
+    for r in results:
+        if r["layout"] == "contiguous" and r["pattern"] == "consecutive":
+            assert r["num_ops"] == 1
+        if r["layout"] == "per_layer_naive":
+            layers = 32 if r["shape"] == "8b" else 8
+            assert r["num_ops"] == layers * r["num_blocks"]
+
+    assert report["targets"] and all(
+        {"name", "value", "threshold", "passed"} <= set(t) for t in report["targets"]
+    )
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "PASS" in printed or "FAIL" in printed

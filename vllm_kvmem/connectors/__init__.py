@@ -1,0 +1,1 @@
+"""KV connectors shipped with vllm-kvmem."""

@@ -1,0 +1,57 @@
+"""The smallest connector that opts in to the contiguous KV layout.
+
+It moves no data: it exists to show the opt-in and to let tests check which
+layout the engine resolves and what the workers register. Use it with::
+
+    kv_transfer_config={
+        "kv_connector": "ContiguousLayoutExampleConnector",
+        "kv_connector_module_path": "vllm_kvmem.connectors.contiguous_example",
+        "kv_role": "kv_both",
+    }
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from vllm_kvmem.layout import ContiguousKVLayoutMixin
+
+
+class ContiguousLayoutExampleConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
+    """Opts in; records the KV tensors it is given; transfers nothing."""
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.kv_caches = kv_caches
+
+    # worker side: nothing to load or save
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:  # fmt: skip
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # scheduler side: never has external tokens
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVConnectorMetadata()

@@ -1,0 +1,42 @@
+"""Resolve a block-outer KV layout for connectors that opt in."""
+
+from __future__ import annotations
+
+from vllm_kvmem.patches._registry import Patch
+
+
+def _make(original):
+    def resolve_kv_cache_layout(vllm_config, supported_layouts, kv_cache_specs=None):
+        from vllm_kvmem.layout import choose_layout
+
+        specs = list(kv_cache_specs) if kv_cache_specs is not None else None
+        chosen = choose_layout(vllm_config, supported_layouts, specs)
+        if chosen is not None:
+            vllm_config.cache_config.kv_cache_layout = chosen
+        return original(vllm_config, supported_layouts, specs)
+
+    return resolve_kv_cache_layout
+
+
+PATCH = Patch(
+    name="kv_cache_layout",
+    target="vllm.v1.attention.backends.utils:resolve_kv_cache_layout",
+    make_replacement=_make,
+    signature=("vllm_config", "supported_layouts", "kv_cache_specs"),
+    processes=("engine core",),
+    why="A connector that moves blocks wants all layers of a block adjacent (one "
+    "copy per block instead of one per layer), but only when the model and the "
+    "backends allow it; `get_required_kvcache_layout()` names one fixed layout "
+    "and vLLM drops it with a warning when unsupported, with no condition on "
+    "the model (seed 002).",
+    how="Before vLLM resolves the layout: if the configured connector class "
+    "returns True from `prefers_contiguous_kv_layout(vllm_config)`, no layout "
+    "is set yet and VLLM_KV_CACHE_LAYOUT is unset, checks for one uniform "
+    "attention KV spec (no hybrid groups, no MLA) and a block-outer, "
+    "block-compact layout every worker supports; records BLHNC (or the first "
+    "such layout) on `cache_config.kv_cache_layout`, which vLLM then keeps, or "
+    "logs the failed condition and leaves vLLM's choice alone. Rebinds the "
+    "name imported into `vllm.v1.engine.core`.",
+    upstream="RFC #42082 (KV cache layouts); seed 002's proposal; no PR yet.",
+    remove_when="vLLM resolves a conditional contiguous layout for connectors.",
+)
