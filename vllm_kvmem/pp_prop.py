@@ -30,10 +30,18 @@ FLAG = KVMemConfig.flag("enable_pp_prop_kv_cache")
 BUDGET_FLAG = "--kv-cache-memory-bytes"
 
 
+# A token budget has no byte figure until the engine sees the KV specs. Until
+# then vLLM's explicit-budget path runs with this placeholder (no profiling, and
+# the CPU worker's startup memory check is skipped); our patches replace it.
+TOKENS_PLACEHOLDER_BYTES = 1
+
+
 def is_active(vllm_config: Any) -> bool:
-    """True when the split applies: flag on, a budget, more than one stage."""
+    """True when the split applies: flag on, a byte budget, more than one stage."""
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
     return (
-        KVMemConfig.from_vllm_config(vllm_config).enable_pp_prop_kv_cache
+        cfg.enable_pp_prop_kv_cache
+        and cfg.kv_cache_tokens is None
         and vllm_config.cache_config.kv_cache_memory_bytes is not None
         and vllm_config.parallel_config.pipeline_parallel_size > 1
     )
@@ -46,13 +54,16 @@ def validate_engine_config(vllm_config: Any) -> KVMemConfig:
     if ADDITIONAL_CONFIG_KEY in additional:
         additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(exclude_unset=True)
     budget = vllm_config.cache_config.kv_cache_memory_bytes
-    if cfg.kv_cache_tokens is not None and budget is not None:
-        raise ValueError(
-            f"--kv-cache-tokens {cfg.kv_cache_tokens:,} and {BUDGET_FLAG} {budget:,} "
-            f"both size the KV cache; give one of them (on CPU, "
-            f"VLLM_CPU_KVCACHE_SPACE also sets {BUDGET_FLAG})."
-        )
-    if not cfg.enable_pp_prop_kv_cache or cfg.kv_cache_tokens is not None:
+    if cfg.kv_cache_tokens is not None:
+        if budget not in (None, TOKENS_PLACEHOLDER_BYTES):
+            raise ValueError(
+                f"--kv-cache-tokens {cfg.kv_cache_tokens:,} and {BUDGET_FLAG} "
+                f"{budget:,} both size the KV cache; give one of them (on CPU, "
+                f"VLLM_CPU_KVCACHE_SPACE also sets {BUDGET_FLAG})."
+            )
+        vllm_config.cache_config.kv_cache_memory_bytes = TOKENS_PLACEHOLDER_BYTES
+        return cfg
+    if not cfg.enable_pp_prop_kv_cache:
         return cfg
     if budget is None:
         raise ValueError(
@@ -107,7 +118,7 @@ def report_device_limit(worker: Any, held_back: int) -> int:
     how = (
         f"KV cache budget {gib(budget)} GiB ({BUDGET_FLAG}) is pipeline-wide with "
         f"{FLAG}"
-        if budget is not None
+        if budget != TOKENS_PLACEHOLDER_BYTES
         else "KV cache is sized in tokens (--kv-cache-tokens)"
     )
     logger.info(

@@ -11,8 +11,9 @@ WHY = (
 HOW = (
     "Runs vLLM's method unchanged (profile run or warm-up, vLLM's own checks); "
     "only when the split or a `--kv-cache-tokens` budget is active (the latter "
-    "with a 1-byte placeholder budget during the call, so vLLM skips profiling), "
-    "returns the device's KV limit (free device "
+    "runs with a 1-byte placeholder `kv_cache_memory_bytes`, set at startup, so "
+    "vLLM skips profiling and the CPU worker's memory-fraction check), returns "
+    "the device's KV limit (free device "
     "memory after profiling, or the NUMA node's available memory on CPU) "
     "instead of the budget. The engine core patch turns limits into shares."
 )
@@ -22,23 +23,12 @@ REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."
 
 def make_replacement(original):
     def determine_available_memory(self):
-        from vllm_kvmem.kv_budget import tokens_budget, uses_device_limits
+        from vllm_kvmem.kv_budget import uses_device_limits
         from vllm_kvmem.pp_prop import report_device_limit
 
         if not uses_device_limits(self.vllm_config):
             return original(self)
-        if tokens_budget(self.vllm_config) is None:
-            budget = self.cache_config.kv_cache_memory_bytes
-            return report_device_limit(self, budget - original(self))
-        # A token budget has no byte figure yet: run vLLM's explicit-budget path
-        # (compile/warm-up, no profiling) with a 1-byte placeholder, then report
-        # the device's limit; the engine turns tokens into blocks per rank.
-        cache_config = self.cache_config
-        cache_config.kv_cache_memory_bytes = 1
-        try:
-            held_back = 1 - original(self)
-        finally:
-            cache_config.kv_cache_memory_bytes = None
-        return report_device_limit(self, held_back)
+        budget = self.cache_config.kv_cache_memory_bytes
+        return report_device_limit(self, held_back=budget - original(self))
 
     return determine_available_memory
