@@ -9,7 +9,7 @@ ships to the engine core and to every worker process.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -54,6 +54,19 @@ class KVMemConfig(BaseModel):
     ``--kv-cache-memory-bytes``; with pipeline parallelism each stage's bytes
     follow its KV bytes per block, like ``--enable-pp-prop-kv-cache``."""
 
+    kv_host_cache_bytes: SizeInt | None = None
+    """Host (CPU) memory for a second KV tier, e.g. ``8G``, in total per
+    tensor-parallel shard (split over pipeline stages by their KV bytes per
+    block). Blocks evicted from the device prefix cache are copied there and
+    copied back on a later prefix hit instead of being recomputed. Unlike
+    vLLM's ``--kv-offloading-size``, which stores every block as it is
+    computed, only evicted blocks move, so a workload without reuse pays
+    almost nothing."""
+
+    kv_host_cache_policy: Literal["lru", "fifo"] = "lru"
+    """Which host-tier block to drop when the host tier is full: ``lru``
+    (least recently spilled or hit) or ``fifo`` (oldest spilled)."""
+
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(cls.model_fields)
@@ -95,7 +108,8 @@ class KVMemConfig(BaseModel):
             expected = {
                 "bool_type": "boolean (true/false)",
                 "bool_parsing": "boolean (true/false)",
-            }.get(err["type"], "positive integer or size like 400k")
+                "literal_error": "one of lru, fifo",
+            }.get(err["type"], "positive integer or size like 400k or 8G")
             raise ValueError(
                 f"{cls.flag(name)} (additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
                 f"[{name!r}]): invalid value {raw.get(name)!r}: {err['msg']}; "

@@ -63,6 +63,9 @@ def plan_kv_cache_configs(
             else "profiled memory"
         )
     log_startup_report(vllm_config, kv_cache_specs, configs, title, extra, trailer)
+    from vllm_kvmem.host_tier import record_runtime
+
+    record_runtime(vllm_config, configs)
     return configs
 
 

@@ -7,6 +7,7 @@ generated from these records (``kvmem patches --markdown``).
 from __future__ import annotations
 
 from vllm_kvmem.patches._registry import Patch, apply_all, is_applied, original_of
+from vllm_kvmem.patches.block_pool_evict import PATCH as BLOCK_POOL_EVICT
 from vllm_kvmem.patches.cpu_attn_layouts import PATCH as CPU_ATTN_LAYOUTS
 from vllm_kvmem.patches.cpu_worker_memory import PATCH as CPU_WORKER_MEMORY
 from vllm_kvmem.patches.engine_args_cli import PATCH as ENGINE_ARGS_CLI
@@ -31,6 +32,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     WORKER_KV_SHARE_LOG,
     KV_CACHE_LAYOUT,
     CPU_ATTN_LAYOUTS,
+    BLOCK_POOL_EVICT,
 )
 
 __all__ = ["ALL_PATCHES", "Patch", "apply_all", "is_applied", "original_of"]

@@ -7,8 +7,10 @@ from vllm_kvmem.patches._registry import Patch
 
 def _make(original):
     def create_engine_config(self, *args, **kwargs):
+        from vllm_kvmem.host_tier import prepare_engine_args
         from vllm_kvmem.pp_prop import validate_engine_config
 
+        prepare_engine_args(self)
         config = original(self, *args, **kwargs)
         validate_engine_config(config)
         return config
@@ -27,7 +29,9 @@ PATCH = Patch(
     "`--kv-cache-memory-bytes` is such an error. The check must see the final "
     "config (on CPU, `VLLM_CPU_KVCACHE_SPACE` sets `kv_cache_memory_bytes` "
     "while the VllmConfig is built).",
-    how="Wraps the method: builds the VllmConfig as vLLM does, then parses "
+    how="Wraps the method: first turns `--kv-host-cache-bytes` into vLLM's own "
+    "`kv_transfer_config` (the host tier connector) after checking host memory, "
+    "then builds the VllmConfig as vLLM does, parses "
     "`additional_config['kvmem']` into `KVMemConfig` (normalised in place) and "
     "runs the cross-flag checks.",
     upstream="None (same as engine_args_cli).",

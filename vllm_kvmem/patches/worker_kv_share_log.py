@@ -7,9 +7,11 @@ from vllm_kvmem.patches._registry import Patch
 
 def _make(original):
     def initialize_from_config(self, kv_cache_configs):
-        original(self, kv_cache_configs)
+        from vllm_kvmem.host_tier import record_runtime
         from vllm_kvmem.pp_prop import log_rank_share
 
+        record_runtime(self.vllm_config, kv_cache_configs)
+        original(self, kv_cache_configs)
         log_rank_share(self.vllm_config, kv_cache_configs, self.global_rank)
 
     return initialize_from_config
@@ -24,9 +26,11 @@ PATCH = Patch(
     why="Operators read each rank's KV reservation in that rank's own log, in "
     "the seed's form: `reserved 4.38 GiB for KV cache (proportionally split "
     "from 5.00 GiB based on 56/64 layers on rank 0)`.",
-    how="After vLLM allocates the KV cache, logs the rank's allocation from the "
-    "list of all ranks' configs that every worker receives (layers counted over "
-    "the union of all stages). Logs nothing unless the split is active.",
+    how="Before vLLM allocates the KV cache, records the host tier's slot count "
+    "(from all ranks' configs, the same way the engine core does) for the "
+    "worker-side connector; after, logs the rank's allocation from the list of "
+    "all ranks' configs that every worker receives (layers counted over the "
+    "union of all stages). Logs nothing unless the split is active.",
     upstream="None (log line of the seed 000 PR).",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
 )

@@ -1,0 +1,133 @@
+"""The host KV tier on a real vLLM engine (CPU).
+
+Workload: documents whose working set is several times the device KV cache,
+read twice. Without the tier the second pass recomputes every prefix (the
+device cache has evicted them); with it, the evicted blocks come back from
+host memory. Greedy output must be token-identical either way, in a single
+process, with the multi-process engine, and on a pipeline of 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import PP_COMPILATION, run_engine
+
+pytestmark = pytest.mark.engine
+
+WORDS = (
+    "cache block layer page token memory host device copy stage pipeline "
+    "budget window request batch prefix tier spill load hit miss engine"
+).split()
+DEVICE_KV = 12 << 20  # 24 blocks of 128 tokens on the 8-layer tiny model
+HOST_KV = 256 << 20
+
+
+def _doc(k: int, n: int = 400) -> str:
+    return " ".join(WORDS[(i * k + k) % len(WORDS)] + str(k % 7) for i in range(n))
+
+
+def _workload(num_docs: int = 12) -> dict:
+    # ~1,000 tokens (8 blocks) per document: 12 documents = 96 blocks, 4x the
+    # device cache; each prompt is a document plus a short question.
+    return {
+        "prompts": [_doc(k) + " question" for k in range(1, num_docs + 1)],
+        "max_tokens": 8,
+        "rounds": 2,
+    }
+
+
+def _kwargs(model, host: bool, **extra):
+    kw = dict(
+        model=str(model),
+        kv_cache_memory_bytes=DEVICE_KV,
+        max_model_len=2048,
+        max_num_seqs=2,
+        **extra,
+    )
+    if host:
+        kw["kv_host_cache_bytes"] = HOST_KV
+    return kw
+
+
+def _check_identical_and_hits(off, on):
+    assert off.returncode == 0, off.log[-4000:]
+    assert on.returncode == 0, on.log[-4000:]
+    assert on.report["token_ids"] == off.report["token_ids"]
+    second_off, second_on = (
+        off.report["cached_tokens"][1],
+        on.report["cached_tokens"][1],
+    )
+    assert sum(second_on) >= 4 * max(1, sum(second_off))  # host hits, not recompute
+    assert "Host KV tier: " in on.log
+
+
+@pytest.mark.parametrize("multiprocess", ["0", "1"])
+def test_single_stage_output_identical_with_host_hits(model_8l, multiprocess):
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess)
+    off = run_engine(_kwargs(model_8l, False, enforce_eager=True), _workload(), **env)
+    on = run_engine(_kwargs(model_8l, True, enforce_eager=True), _workload(), **env)
+    _check_identical_and_hits(off, on)
+
+
+def test_pipeline_of_two_output_identical_with_host_hits(model_8l):
+    kw = dict(pipeline_parallel_size=2, compilation_config=PP_COMPILATION)
+    env = dict(VLLM_PP_LAYER_PARTITION="5,3")
+    off = run_engine(_kwargs(model_8l, False, **kw), _workload(8), **env)
+    on = run_engine(_kwargs(model_8l, True, **kw), _workload(8), **env)
+    _check_identical_and_hits(off, on)
+    assert on.log.count("Host KV tier on this rank") == 2  # both stages hold a slice
+
+
+def test_unsupported_model_turns_the_tier_off_and_serves(tmp_path):
+    from vllm_kvmem.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "sw", num_layers=4, sliding_window=256)
+    run = run_engine(
+        _kwargs(model, True, enforce_eager=True),
+        {"prompts": ["a short prompt"], "max_tokens": 4},
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    assert run.log.count("Host KV tier off: its layers use SlidingWindowSpec") == 1
+    assert len(run.report["token_ids"][0]) == 4
+
+
+def test_abort_mid_load_releases_everything(model_8l, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**_kwargs(model_8l, True, enforce_eager=True))
+    docs = _workload()["prompts"]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    llm.generate(docs, params, use_tqdm=False)  # fills the host tier
+    core = llm.llm_engine.engine_core.engine_core
+    sched = core.scheduler
+    tier = sched.connector
+    pool = sched.kv_cache_manager.block_pool
+    in_use, free = tier.host_bytes_in_use(), pool.get_num_free_blocks()
+    assert in_use > 0
+
+    aborted: list[str] = []
+    schedule = sched.schedule
+
+    def schedule_then_abort(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        if out.kv_connector_metadata.loads and not aborted:
+            aborted.extend(r.req_id for r in out.scheduled_new_reqs)
+            core.aborts_queue.put_nowait(list(aborted))  # arrives mid-execution
+        return out
+
+    monkeypatch.setattr(sched, "schedule", schedule_then_abort)
+    engine = llm.llm_engine
+    engine.add_request("victim", docs[0], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert aborted  # the request was scheduled with host loads, then aborted
+    assert tier.index.pinned_slots == 0
+    assert tier.host_bytes_in_use() == in_use
+    assert pool.get_num_free_blocks() == free
+    # ... and the engine still serves the same prefix from the host tier.
+    monkeypatch.setattr(sched, "schedule", schedule)
+    out = llm.generate([docs[1]], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0

@@ -1,0 +1,109 @@
+"""The host tier's block index: which block hash lives in which host slot.
+
+vLLM-free. The scheduler owns one index per engine and makes every decision
+(which block to spill where, which slot to load from); workers only execute
+the copies, so every rank of a pipeline or tensor-parallel group stays in
+lockstep. Slots referenced by a pending load are pinned and never reused
+before that load has been handed to the workers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+POLICIES = ("lru", "fifo")
+
+
+@dataclass
+class IndexCounters:
+    """Monotonic counters; the connector reports differences per interval."""
+
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    spilled_blocks: int = 0
+    loaded_blocks: int = 0
+    dropped_blocks: int = 0  # evicted from the host tier itself
+
+
+class HostBlockIndex:
+    """Fixed number of slots, keyed by block hash, with LRU or FIFO eviction."""
+
+    def __init__(self, num_slots: int, policy: str = "lru") -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
+        if policy not in POLICIES:
+            raise ValueError(
+                f"unknown host tier eviction policy {policy!r}; use one of {POLICIES}"
+            )
+        self.num_slots = num_slots
+        self.policy = policy
+        self._slots: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pins: dict[int, int] = {}
+        self.counters = IndexCounters()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slots
+
+    @property
+    def pinned_slots(self) -> int:
+        return len(self._pins)
+
+    def match_prefix(self, keys: Sequence[Hashable]) -> list[int]:
+        """Slots of the longest prefix of ``keys`` held here (a lookup)."""
+        slots = []
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is None:
+                break
+            slots.append(slot)
+        self.counters.lookup_blocks += len(keys)
+        self.counters.hit_blocks += len(slots)
+        for key in keys[: len(slots)]:
+            self._touch(key)
+        return slots
+
+    def put(self, key: Hashable) -> int | None:
+        """Make room for ``key`` and return its new slot (the caller copies the
+        block there). None if it is already held (nothing to copy) or if every
+        slot is pinned."""
+        if key in self._slots:
+            self._touch(key)
+            return None
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        self._slots[key] = slot
+        self.counters.spilled_blocks += 1
+        return slot
+
+    def pin(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self._pins[s] = self._pins.get(s, 0) + 1
+
+    def unpin(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            left = self._pins.get(s, 0) - 1
+            if left > 0:
+                self._pins[s] = left
+            else:
+                self._pins.pop(s, None)
+
+    def _touch(self, key: Hashable) -> None:
+        if self.policy == "lru":
+            self._slots.move_to_end(key)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._slots.items():  # oldest first
+            if slot not in self._pins:
+                del self._slots[key]
+                self.counters.dropped_blocks += 1
+                return slot
+        return None
