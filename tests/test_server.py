@@ -44,48 +44,107 @@ def _wait_ready(proc: subprocess.Popen, url: str) -> None:
     raise AssertionError("server not ready in time")
 
 
+class _Server:
+    """An OpenAI server subprocess on 127.0.0.1, its log in a file."""
+
+    def __init__(self, args: list[str], log_path, **env: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1", "--port", str(self.port), *args,
+        ]  # fmt: skip
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=engine_env(**env), stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def __enter__(self) -> _Server:
+        try:
+            _wait_ready(self.proc, f"{self.url}/health")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def complete(self, model: str, prompt: str, max_tokens: int = 4) -> dict:
+        resp = requests.post(
+            f"{self.url}/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                  "temperature": 0},
+            timeout=120,
+        )  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+
+def _metric(text: str, name: str) -> float:
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    ]
+    assert values, f"{name} not on /metrics"
+    return sum(values)
+
+
+def test_host_tier_metrics_on_the_server(model_8l, tmp_path):
+    from tests.test_host_tier_engine import _doc
+
+    args = [
+        "--model", str(model_8l), "--max-model-len", "2048", "--enforce-eager",
+        "--kv-cache-memory-bytes", "12M", "--kv-host-cache-bytes", "256M",
+    ]  # fmt: skip
+    docs = [_doc(k) + " question" for k in range(1, 7)]
+    with _Server(args, tmp_path / "server.log") as server:
+        for _ in range(2):  # the second pass hits the host tier
+            for d in docs:
+                server.complete(str(model_8l), d)
+        deadline = time.monotonic() + 60
+        while True:  # stats reach /metrics with the engine's next stats update
+            text = requests.get(f"{server.url}/metrics", timeout=10).text
+            if "vllm:kvmem_host_hit_tokens_total" in text and _metric(
+                text, "vllm:kvmem_host_hit_tokens_total"
+            ):
+                break
+            assert time.monotonic() < deadline, text[-3000:]
+            server.complete(str(model_8l), docs[0])  # more traffic, more stats
+    for name in (
+        "vllm:kvmem_host_lookup_tokens_total",
+        "vllm:kvmem_host_blocks_spilled_total",
+        "vllm:kvmem_host_blocks_loaded_total",
+        "vllm:kvmem_host_bytes_moved_total",
+        "vllm:kvmem_host_bytes_in_use",
+    ):
+        assert _metric(text, name) > 0, name
+    assert _metric(text, "vllm:kvmem_host_miss_tokens_total") >= 0
+    assert "Host KV tier: " in (tmp_path / "server.log").read_text()
+
+
 def test_server_flags_split_and_serve(model_8l, tmp_path):
-    port = _free_port()
-    log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+    args = [
         "--model", str(model_8l),
-        "--host", "127.0.0.1", "--port", str(port),
         "--pipeline-parallel-size", "2",
         "--kv-cache-memory-bytes", "64M",
         "--enable-pp-prop-kv-cache",
         "--max-model-len", "512",
         "--compilation-config", json.dumps(PP_COMPILATION),
     ]  # fmt: skip
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=engine_env(VLLM_PP_LAYER_PARTITION="6,2"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            _wait_ready(proc, f"http://127.0.0.1:{port}/health")
-            resp = requests.post(
-                f"http://127.0.0.1:{port}/v1/completions",
-                json={
-                    "model": str(model_8l),
-                    "prompt": "hello world",
-                    "max_tokens": 5,
-                    "temperature": 0,
-                },
-                timeout=120,
-            )
-            assert resp.status_code == 200, resp.text
-            assert resp.json()["usage"]["completion_tokens"] == 5
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    log_path = tmp_path / "server.log"
+    with _Server(args, log_path, VLLM_PP_LAYER_PARTITION="6,2") as server:
+        out = server.complete(str(model_8l), "hello world", max_tokens=5)
+        assert out["usage"]["completion_tokens"] == 5
     text = log_path.read_text()
     assert "'enable_pp_prop_kv_cache': True" in text, text[:3000]
     for rank, layers in ((0, 6), (1, 2)):
