@@ -55,6 +55,7 @@ def test_size_above_host_memory_names_option_value_and_available(model_8l):
             "cannot be combined with --kv-transfer-config",
         ),
         ({"enable_prefix_caching": False}, "needs prefix caching"),
+        ({"kv_offloading_size": 1.0}, "both add a host KV tier"),
         ({"kv_host_cache_policy": "mru"}, "--kv-host-cache-policy.*'mru'.*lru, fifo"),
         ({"kv_host_cache_bytes": "lots"}, "--kv-host-cache-bytes.*not a size"),
     ],

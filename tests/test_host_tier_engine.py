@@ -131,3 +131,23 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch):
     monkeypatch.setattr(sched, "schedule", schedule)
     out = llm.generate([docs[1]], params, use_tqdm=False)[0]
     assert out.num_cached_tokens > 0
+    # A prefix-cache reset with the connector (after a weight update, say)
+    # drops the host tier too: stale KV is never served.
+    assert llm.reset_prefix_cache(reset_connector=True)
+    assert tier.host_bytes_in_use() == 0
+    out = llm.generate([docs[2]], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+
+
+def test_host_tier_smaller_than_one_steps_evictions(model_8l):
+    """Three host blocks, prefills evicting eight device blocks per step: the
+    tier must never hand one slot to two saves of the same step."""
+    small = dict(
+        _kwargs(model_8l, False, enforce_eager=True), kv_host_cache_bytes=3 << 19
+    )
+    off = run_engine(_kwargs(model_8l, False, enforce_eager=True), _workload(6),
+                     VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+    on = run_engine(small, _workload(6), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert on.returncode == 0, on.log[-4000:]
+    assert on.report["token_ids"] == off.report["token_ids"]
+    assert "Host KV tier: 3 blocks" in on.log

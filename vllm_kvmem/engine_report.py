@@ -61,23 +61,53 @@ def collect(llm: Any) -> list[dict[str, Any]]:
     return sorted(llm.collective_rpc(rank_kv_report), key=lambda r: r["rank"])
 
 
-def run(llm_kwargs: dict[str, Any], prompts: list[str] | None = None) -> dict:
+def run(
+    llm_kwargs: dict[str, Any],
+    prompts: list[str] | None = None,
+    max_tokens: int = 8,
+    rounds: int = 1,
+    sequential: bool = False,
+) -> dict:
+    """Start the engine, generate greedily ``rounds`` times, report per rank.
+
+    Later rounds repeat the same prompts, so they can hit the prefix cache;
+    ``cached_tokens`` records how many prompt tokens each request found cached.
+    ``sequential`` sends one request at a time and records each one's wall time
+    in ``latency_s`` (with ``max_tokens=1`` that is its time to first token).
+    """
+    import time
+
     from vllm import LLM, SamplingParams
 
     import vllm_kvmem  # noqa: F401  (patches EngineArgs for the kwargs)
 
     llm = LLM(**llm_kwargs)
-    params = SamplingParams(max_tokens=8, temperature=0.0)
-    outputs = llm.generate(prompts or ["The KV cache"], params, use_tqdm=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    prompts = prompts or ["The KV cache"]
+    token_ids, cached, latency = [], [], []
+    outputs: list[Any] = []
+    for _ in range(rounds):
+        outputs, times = [], []
+        for batch in [[p] for p in prompts] if sequential else [prompts]:
+            start = time.perf_counter()
+            outputs += llm.generate(batch, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        token_ids.append([list(o.outputs[0].token_ids) for o in outputs])
+        cached.append([o.num_cached_tokens or 0 for o in outputs])
+        latency.append(times)
     return {
         "ranks": collect(llm),
-        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+        "token_ids": token_ids[0] if rounds == 1 else token_ids,
+        "cached_tokens": cached,
+        "prompt_tokens": [len(o.prompt_token_ids or []) for o in outputs],
+        "latency_s": latency,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    report = run(json.loads(argv[0]))
+    workload = json.loads(argv[1]) if len(argv) > 1 else {}
+    report = run(json.loads(argv[0]), **workload)
     print(REPORT_PREFIX + json.dumps(report), flush=True)
     return 0
 

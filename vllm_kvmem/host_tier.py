@@ -91,6 +91,12 @@ def prepare_engine_args(engine_args: Any) -> None:
             f"combined with --kv-transfer-config (kv_connector={other}); drop one "
             f"of them."
         )
+    if getattr(engine_args, "kv_offloading_size", None) is not None:
+        raise ValueError(
+            f"{SIZE_FLAG} {size:,} and --kv-offloading-size "
+            f"{engine_args.kv_offloading_size} both add a host KV tier; use one: "
+            f"vllm-kvmem's spills only evicted blocks, vLLM's stores every block."
+        )
     if engine_args.enable_prefix_caching is False:
         raise ValueError(
             f"{SIZE_FLAG} {size:,} keeps blocks evicted from the prefix cache, so it "
@@ -303,7 +309,8 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._pending_saves: list[tuple[int, int]] = []
         self._pending_loads: list[tuple[int, int]] = []
         self._matched: dict[str, tuple[int, list[int]]] = {}
-        self._load_pins: list[int] = []
+        self._step_pins: list[int] = []  # slots of this step's saves and loads
+        self._lookups: dict[str, tuple[int, int]] = {}
         self._stats = HostTierStats()
         self._stats.reset()
         if not self.enabled:
@@ -331,6 +338,10 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             return  # a partial block: never looked up by full-block hashes
         slot = self.index.put(get_block_hash(block.block_hash))
         if slot is not None:
+            # Pinned until the workers get this step's saves: a later eviction
+            # in the same step must not be given the same slot.
+            self.index.pin([slot])
+            self._step_pins.append(slot)
             self._pending_saves.append((block.block_id, slot))
 
     def get_num_new_matched_tokens(
@@ -348,7 +359,9 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         keys = request.block_hashes[start:stop]
         slots = self.index.match_prefix(keys)
         hit, looked = len(slots) * self.block_size, len(keys) * self.block_size
-        self._count(lookup_tokens=looked, hit_tokens=hit, miss_tokens=looked - hit)
+        # Counted once the request is allocated: a waiting request is looked up
+        # again every step.
+        self._lookups[request.request_id] = (looked, hit)
         old = self._matched.pop(request.request_id, None)
         if old:
             self.index.unpin(old[1])
@@ -361,6 +374,13 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
+        looked, hit = self._lookups.pop(request.request_id, (0, 0))
+        if looked:
+            self._count(
+                lookup_tokens=looked,
+                hit_tokens=min(hit, num_external_tokens),
+                miss_tokens=looked - min(hit, num_external_tokens),
+            )
         matched = self._matched.pop(request.request_id, None)
         if matched is None:
             return
@@ -370,7 +390,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._pending_loads.extend(zip(slots[:n], block_ids))
         # Pins of the loads stay until the metadata is built; unused ones go now.
         self.index.unpin(slots[n:])
-        self._load_pins += slots[:n]
+        self._step_pins += slots[:n]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = HostTierMetadata()
@@ -385,8 +405,8 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             scheduler_output.has_sync_kv_loads = True
         # Once handed to the workers, saves and loads run in step order, so the
         # slots of this step's loads may be reused by the next step's saves.
-        self.index.unpin(self._load_pins)
-        self._load_pins = []
+        self.index.unpin(self._step_pins)
+        self._step_pins = []
         moved = (len(meta.saves) + len(meta.loads)) * self.pipeline_slot_bytes
         self.index.counters.loaded_blocks += len(meta.loads)
         self._count(
@@ -397,10 +417,27 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Any, block_ids: list[int]):
+        self._lookups.pop(request.request_id, None)
         matched = self._matched.pop(request.request_id, None)
         if matched is not None:
             self.index.unpin(matched[1])
         return False, None
+
+    def reset_cache(self) -> bool | None:
+        """Drop every host block (vLLM calls this on a prefix-cache reset, e.g.
+        after a weight update): stale KV must never be served."""
+        if self._role != KVConnectorRole.SCHEDULER or not self.enabled:
+            return None
+        self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
+        # Loads already promised to allocated blocks still run (their slots stay
+        # pinned until the workers get them); queued saves are dropped.
+        self._pending_saves = []
+        self._step_pins = [slot for slot, _ in self._pending_loads]
+        self.index.pin(self._step_pins)
+        for _, slots in self._matched.values():
+            self.index.pin(slots)
+        logger.info("Host KV tier reset: all host blocks dropped.")
+        return True
 
     def host_bytes_in_use(self) -> int:
         return len(self.index) * self.pipeline_slot_bytes if self.enabled else 0
