@@ -167,15 +167,17 @@ def _documents(n: int) -> list[str]:
 def host_tier_demo(model: Path, num_layers: int) -> dict[str, Any]:
     """Same workload with and without the host tier; second-pass TTFT."""
     docs = _documents(12)
-    # A 128-token CPU block of the default tiny model: 2 KV heads x 64 x bf16
-    # x (K, V) = 64 KiB per layer.
-    block_bytes = num_layers * 64 * 1024
+    # A 128-token CPU block of the default tiny model served in float32: 2 KV
+    # heads x 64 x 4 bytes x (K, V) = 128 KiB per layer. float32 because a
+    # random model's logits are near ties, which bf16 rounding can flip.
+    block_bytes = num_layers * 128 * 1024
     device = 24 * block_bytes  # 24 blocks: the 96-block working set is 4x this
     common = dict(
         model=str(model),
         kv_cache_memory_bytes=device,
         max_model_len=2048,
         enforce_eager=True,
+        dtype="float32",
     )
     workload = {"prompts": docs, "max_tokens": 1, "rounds": 2, "sequential": True}
     runs = {}

@@ -17,6 +17,7 @@ vLLM's per-layer layout is used. Connectors that do not opt in see no change.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,8 +59,6 @@ def choose_layout(
     kv_cache_specs: Iterable[Any] | None,
 ) -> str | None:
     """The block-outer layout to record, or None to leave vLLM's choice alone."""
-    import os
-
     if vllm_config.cache_config.kv_cache_layout is not None:
         return None  # already resolved (or set explicitly): vLLM keeps it
     cls = opted_in(vllm_config)
