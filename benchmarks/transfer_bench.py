@@ -56,9 +56,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The benchmark needs only the vLLM-free core: skip the package's vLLM patching
-# (and vLLM's ~10 s import).
-os.environ.setdefault("VLLM_KVMEM_AUTOREGISTER", "0")
+# Run as a script, the benchmark needs only the vLLM-free core: skip the
+# package's vLLM patching (and vLLM's ~10 s import). Imported (by a test), it
+# leaves the environment alone so that later engine subprocesses still patch.
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_KVMEM_AUTOREGISTER", "0")
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402

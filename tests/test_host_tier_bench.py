@@ -1,0 +1,100 @@
+"""Smoke test of benchmarks/host_tier_bench.py: it runs end to end on a real
+engine and reports what the issue asks for (no speed checks: CPU timings on a
+shared machine are too noisy to assert on)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "host_tier_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("host_tier_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_schedule_revisits_evicted_documents(bench):
+    """Reuse r: floor(r * n) revisits, each to the least recently used
+    document, which at least ``pool - 1`` other documents have followed."""
+    pool, n = 7, 12
+    for reuse in (0.0, 0.25, 0.5, 0.75, 1.0):
+        ops = bench.build_schedule(reuse, pool, n)
+        assert ops[0]["kind"] == "warmup"
+        measured = [op for op in ops if op["kind"] in ("new", "revisit")]
+        assert len(measured) == n
+        assert sum(op["kind"] == "revisit" for op in measured) == int(reuse * n)
+        assert sum(op["kind"] == "seed" for op in ops) == (pool if reuse else 0)
+        seen: list[int] = []  # documents in order of last use
+        for op in ops[1:]:
+            if op["kind"] == "revisit":
+                assert op["doc"] == seen[0]  # the least recently used
+                assert len(seen) - 1 >= pool - 1
+                assert op["question"] >= 1  # a new question about it
+                seen.remove(op["doc"])
+            else:
+                assert op["doc"] not in seen and op["question"] == 0
+            seen.append(op["doc"])
+
+
+def test_documents_are_distinct_and_deterministic(bench):
+    a, b = bench.document_text(3, 50), bench.document_text(4, 50)
+    assert a == bench.document_text(3, 50) and a != b
+    assert a.split()[:2] != b.split()[:2]  # they differ in the first block
+    assert bench.question_text(3, 1) != bench.question_text(3, 2)
+
+
+@pytest.mark.engine
+def test_quick_run_writes_json_and_png(bench, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "host_tier.json"
+    argv = ["--quick", "--out", str(out), "--model-cache", str(tmp_path / "models")]
+    assert bench.main(argv) == 0
+
+    report = json.loads(out.read_text())
+    keys = {
+        "workload",
+        "method",
+        "model",
+        "summary",
+        "hit_vs_recompute",
+        "outputs_identical",
+        "targets",
+        "runs",
+    }
+    assert keys <= set(report)
+    summary = {(s["config"], s["reuse"]): s for s in report["summary"]}
+    assert set(summary) == {(c, r) for c in ("none", "host", "example") for r in (0, 1)}
+    for s in summary.values():
+        for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"):
+            assert s[k] > 0
+        assert s["requests_per_s"] > 0 and s["prompt_tokens_per_s"] > 0
+
+    # The workload does what it says: working set >= 4x the device KV cache,
+    # revisits at 100% reuse served from the host tier, not recomputed.
+    assert all(run["working_set_vs_device"] >= 4 for run in report["runs"])
+    host = summary[("host", 1.0)]
+    assert host["host_hit_rate"] > 0
+    assert host["revisit_prefix_hits"] == host["revisits"] > 0
+    assert summary[("none", 1.0)]["revisit_prefix_hits"] == 0
+    assert report["hit_vs_recompute"]["host_hit"]["n"] > 0
+
+    assert report["outputs_identical"] is True
+    names = [t["name"] for t in report["targets"]]
+    assert any("0% reuse" in n for n in names)
+    assert any("TTFT" in n for n in names)
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "PASS" in printed or "FAIL" in printed
