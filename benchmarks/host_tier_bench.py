@@ -383,19 +383,13 @@ def zygote_main(log_path: str) -> int:
 
 
 def engine_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PP_LAYER_PARTITION")
-    }
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    from vllm_kvmem.engine_report import engine_env as base
+
+    return base(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_LOGGING_LEVEL=env.get("HOST_TIER_BENCH_LOG_LEVEL", "WARNING"),
+        VLLM_LOGGING_LEVEL=os.environ.get("HOST_TIER_BENCH_LOG_LEVEL", "WARNING"),
         VLLM_KVMEM_AUTOREGISTER="1",
-        PYTHONUNBUFFERED="1",
     )
-    return env
 
 
 class Runner:

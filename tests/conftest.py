@@ -8,17 +8,14 @@ start cannot poison the next test.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from vllm_kvmem.engine_report import REPORT_PREFIX
+from vllm_kvmem.engine_report import engine_env as report_engine_env
+from vllm_kvmem.engine_report import run_subprocess
 from vllm_kvmem.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,19 +27,7 @@ PP_COMPILATION = {"mode": 2, "backend": "eager"}
 
 
 def engine_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PP_LAYER_PARTITION")
-    }
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",  # LLM.collective_rpc(callable)
-        VLLM_LOGGING_LEVEL="INFO",
-        PYTHONUNBUFFERED="1",
-    )
-    env.update(extra)
-    return env
+    return report_engine_env(VLLM_LOGGING_LEVEL="INFO", **extra)
 
 
 @dataclass
@@ -62,23 +47,18 @@ def run_engine(
 ) -> EngineRun:
     """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank.
 
-    ``workload``: ``prompts``, ``max_tokens`` and ``rounds`` for
+    ``workload``: ``prompts``, ``max_tokens``, ``rounds`` and ``sequential`` for
     ``vllm_kvmem.engine_report.run``.
     """
-    argv = [json.dumps(llm_kwargs), json.dumps(workload or {})]
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kvmem.engine_report", *argv],
-        cwd=ROOT,
-        env=engine_env(**env),
-        capture_output=True,
-        text=True,
+    code, log, report = run_subprocess(
+        llm_kwargs,
+        workload,
         timeout=ENGINE_TIMEOUT_S,
+        cwd=str(ROOT),
+        VLLM_LOGGING_LEVEL="INFO",
+        **env,
     )
-    report = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(REPORT_PREFIX):
-            report = json.loads(line[len(REPORT_PREFIX) :])
-    return EngineRun(proc.returncode, proc.stdout + proc.stderr, report)
+    return EngineRun(code, log, report)
 
 
 @pytest.fixture(scope="session")

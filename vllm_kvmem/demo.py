@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from vllm_kvmem.core.units import MiB
-from vllm_kvmem.engine_report import REPORT_PREFIX
+from vllm_kvmem.engine_report import run_subprocess
 
 PP_COMPILATION = {"mode": 2, "backend": "eager"}
 
@@ -47,28 +45,13 @@ def _engine(
     workload: dict[str, Any] | None = None,
     **extra_env: str,
 ) -> dict[str, Any]:
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env.pop("VLLM_PP_LAYER_PARTITION", None)
-    env.update(
-        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-        **extra_env,
-    )
     if partition:
-        env["VLLM_PP_LAYER_PARTITION"] = partition
-    argv = [json.dumps(llm_kwargs), json.dumps(workload or {})]
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_kvmem.engine_report", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(REPORT_PREFIX):
-            return json.loads(line[len(REPORT_PREFIX) :])
-    sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-    raise RuntimeError(f"engine failed (exit {proc.returncode}); log above")
+        extra_env["VLLM_PP_LAYER_PARTITION"] = partition
+    code, log, report = run_subprocess(llm_kwargs, workload, **extra_env)
+    if report is None:
+        sys.stderr.write(log[-9000:])
+        raise RuntimeError(f"engine failed (exit {code}); log above")
+    return report
 
 
 def format_table(runs: dict[str, dict[str, Any]], budget: int, max_len: int) -> str:

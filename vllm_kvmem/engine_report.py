@@ -10,10 +10,60 @@ with those ``LLM`` keyword arguments, generates a few tokens and prints one
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from typing import Any
 
 REPORT_PREFIX = "KVMEM_REPORT "
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """Environment for an engine subprocess on CPU: this process's, without
+    the variables that would override what the caller asks for, with CPU
+    pipeline parallel working (no thread binding) and callables allowed in
+    ``LLM.collective_rpc``; ``extra`` last."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PP_LAYER_PARTITION")
+    }
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_subprocess(
+    llm_kwargs: dict[str, Any],
+    workload: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    cwd: str | None = None,
+    **env: str,
+) -> tuple[int, str, dict[str, Any] | None]:
+    """Run :func:`run` in a fresh process; return (exit code, output, report)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_kvmem.engine_report",
+            json.dumps(llm_kwargs),
+            json.dumps(workload or {}),
+        ],
+        cwd=cwd,
+        env=engine_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    report = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(REPORT_PREFIX):
+            report = json.loads(line[len(REPORT_PREFIX) :])
+    return proc.returncode, proc.stdout + proc.stderr, report
 
 
 def rank_kv_report(worker: Any) -> dict[str, Any]:
