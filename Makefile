@@ -21,7 +21,7 @@ demo: setup
 	$(VENV)/bin/kvmem demo
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

@@ -73,8 +73,9 @@ def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, bat
 
 
 PIPELINE = [
-    # (partition, budget bytes, budget tokens, proportional)
-    ("5,3", 48 * MiB, None, False),
+    # (partition, budget bytes, budget tokens, proportional); the per-GPU
+    # budget (no flag) is checked in test_pp_prop_engine, on the same engine
+    # run that is compared with unpatched vLLM.
     ("5,3", 48 * MiB, None, True),
     ("6,2", None, 20_000, True),
 ]

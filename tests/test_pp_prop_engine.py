@@ -100,6 +100,19 @@ def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
     ]
     assert patched.report["token_ids"] == unpatched.report["token_ids"]
     assert "pp_prop.py" not in unpatched.log + patched.log
+    # ... and the offline planner predicts the same per-GPU numbers.
+    from tests.test_planner_agreement import _assert_agrees
+    from vllm_kvmem.planner import plan_capacity
+
+    cap = plan_capacity(
+        model_8l,
+        pp=2,
+        partition="5,3",
+        budget_bytes=48 * MiB,
+        max_model_len=512,
+        platform="cpu",
+    )
+    _assert_agrees(patched, cap, 512)
 
 
 def test_share_too_small_for_one_sequence_fails_naming_rank_and_budget(model_8l):
