@@ -106,14 +106,14 @@ class KVMemConfig(BaseModel):
             err = e.errors()[0]
             name = str(err["loc"][0]) if err["loc"] else "?"
             expected = {
-                "bool_type": "boolean (true/false)",
-                "bool_parsing": "boolean (true/false)",
+                "bool_type": "a boolean (true/false)",
+                "bool_parsing": "a boolean (true/false)",
                 "literal_error": "one of lru, fifo",
-            }.get(err["type"], "positive integer or size like 400k or 8G")
+            }.get(err["type"], "a positive integer or a size like 400k or 8G")
             raise ValueError(
                 f"{cls.flag(name)} (additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
                 f"[{name!r}]): invalid value {raw.get(name)!r}: {err['msg']}; "
-                f"expected a {expected}"
+                f"expected {expected}"
             ) from None
 
     @classmethod
