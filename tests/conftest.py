@@ -30,6 +30,22 @@ def engine_env(**extra: str) -> dict[str, str]:
     return report_engine_env(VLLM_LOGGING_LEVEL="INFO", **extra)
 
 
+def import_script(path: Path):
+    """Import a script under ``benchmarks/`` as a module for the duration of a
+    fixture (a generator: yields the module, then unregisters it)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
 @dataclass
 class EngineRun:
     returncode: int

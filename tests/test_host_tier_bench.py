@@ -4,26 +4,19 @@ shared machine are too noisy to assert on)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import import_script
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "host_tier_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("host_tier_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from import_script(BENCH)
 
 
 def test_schedule_revisits_evicted_documents(bench):

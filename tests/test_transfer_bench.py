@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import import_script
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "transfer_bench.py"
 
@@ -15,14 +15,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "transfer_bench.
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("transfer_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from import_script(BENCH)
 
 
 def test_quick_run_writes_json_and_png(bench, tmp_path, capsys):
