@@ -388,7 +388,6 @@ def engine_env() -> dict[str, str]:
     return base(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_LOGGING_LEVEL=os.environ.get("HOST_TIER_BENCH_LOG_LEVEL", "WARNING"),
-        VLLM_KVMEM_AUTOREGISTER="1",
     )
 
 
@@ -1190,9 +1189,6 @@ def _entry(argv: list[str]) -> int:
         return zygote_main(argv[1])
     if argv[:1] == ["--worker"]:
         return _run_and_write(argv[1])
-    # The parent needs only the vLLM-free parts of the package (vLLM's import
-    # takes 10-20 s); runs set it back (engine_env).
-    os.environ.setdefault("VLLM_KVMEM_AUTOREGISTER", "0")
     return main()
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import platform
 import random
 import statistics
@@ -55,12 +54,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-# Run as a script, the benchmark needs only the vLLM-free core: skip the
-# package's vLLM patching (and vLLM's ~10 s import). Imported (by a test), it
-# leaves the environment alone so that later engine subprocesses still patch.
-if __name__ == "__main__":
-    os.environ.setdefault("VLLM_KVMEM_AUTOREGISTER", "0")
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402

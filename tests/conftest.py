@@ -26,6 +26,16 @@ ENGINE_TIMEOUT_S = 420
 PP_COMPILATION = {"mode": 2, "backend": "eager"}
 
 
+@pytest.fixture(scope="session")
+def vllm_patched() -> None:
+    """This test process with vllm-kvmem's patches applied, as vLLM's
+    ``vllm.general_plugins`` entry point applies them in every engine process
+    (importing ``vllm_kvmem`` patches nothing)."""
+    from vllm_kvmem import register
+
+    assert register() is True
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     return report_engine_env(VLLM_LOGGING_LEVEL="INFO", **extra)
 

@@ -10,8 +10,10 @@ import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-import vllm_kvmem  # noqa: F401
 from vllm_kvmem.config import KVMemConfig
+
+# vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
+pytestmark = pytest.mark.usefixtures("vllm_patched")
 
 
 def _cli(*argv: str) -> AsyncEngineArgs:

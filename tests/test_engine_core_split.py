@@ -18,7 +18,9 @@ from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core import kv_cache_utils as ku
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-import vllm_kvmem  # noqa: F401
+# vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
+pytestmark = pytest.mark.usefixtures("vllm_patched")
+
 
 BIG = 1 << 40
 

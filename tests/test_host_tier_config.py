@@ -6,8 +6,10 @@ import psutil
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-import vllm_kvmem  # noqa: F401
 from vllm_kvmem.host_tier import CONNECTOR_NAME
+
+# vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
+pytestmark = pytest.mark.usefixtures("vllm_patched")
 
 
 def _args(model, **kw):

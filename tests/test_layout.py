@@ -18,7 +18,9 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-import vllm_kvmem  # noqa: F401
+# vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
+pytestmark = pytest.mark.usefixtures("vllm_patched")
+
 
 EXAMPLE = {
     "kv_connector": "ContiguousLayoutExampleConnector",

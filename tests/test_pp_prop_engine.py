@@ -90,7 +90,6 @@ def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
         kwargs,
         VLLM_PP_LAYER_PARTITION="5,3",
         VLLM_PLUGINS="lora_filesystem_resolver",  # everything but vllm-kvmem
-        VLLM_KVMEM_AUTOREGISTER="0",
     )
     assert patched.returncode == 0, patched.log[-4000:]
     assert unpatched.returncode == 0, unpatched.log[-4000:]

@@ -59,7 +59,7 @@ def test_seed_changes_only_the_weights(tmp_path: pathlib.Path) -> None:
 def test_same_bytes_in_a_fresh_single_threaded_process(tmp_path: pathlib.Path) -> None:
     """Tokenizer training and RNG must not depend on thread count or process."""
     here = build_tiny_model(tmp_path / "here", **SMALL)
-    env = dict(os.environ, RAYON_NUM_THREADS="1", VLLM_KVMEM_AUTOREGISTER="0")
+    env = dict(os.environ, RAYON_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(REPO), env.get("PYTHONPATH")])
     )

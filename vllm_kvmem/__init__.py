@@ -1,30 +1,25 @@
 """vllm-kvmem: KV-cache memory extensions for vLLM 0.32.
 
-Importing the package applies its vLLM patches (the same thing vLLM's
-``vllm.general_plugins`` entry point does in every engine process), so that
-``LLM(..., enable_pp_prop_kv_cache=True)`` accepts the new keyword arguments.
-Set ``VLLM_KVMEM_AUTOREGISTER=0`` to import the vLLM-free core without that.
+Importing this package, or any module of it, patches nothing and does not
+import vLLM: the vLLM-free core (``vllm_kvmem.core``) and the offline planner
+(``kvmem plan``) work where vLLM is not installed.
+
+vLLM applies the patches itself in every process it starts (the API server,
+the engine core, every worker) through the ``vllm.general_plugins`` entry
+point. A Python user who passes vllm-kvmem options to ``LLM(...)`` takes one
+explicit step first, because ``LLM`` validates its keyword arguments before
+vLLM loads any plugin::
+
+    import vllm_kvmem
+
+    vllm_kvmem.register()
+    llm = LLM(model, kv_cache_memory_bytes=5 << 30, enable_pp_prop_kv_cache=True)
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
+from vllm_kvmem.plugin import register
 
 __version__ = "0.1.0"
 
-
-def _autoregister() -> None:
-    if os.environ.get("VLLM_KVMEM_AUTOREGISTER", "1") == "0":
-        return
-    if os.path.basename(sys.argv[0] if sys.argv else "") == "kvmem":
-        return  # the offline CLI starts no engine: skip vLLM's 10 s import
-    if importlib.util.find_spec("vllm") is None:
-        return
-    from vllm_kvmem.plugin import register
-
-    register()
-
-
-_autoregister()
+__all__ = ["__version__", "register"]

@@ -128,8 +128,11 @@ def run(
     import time
 
     from vllm import LLM, SamplingParams
+    from vllm.plugins import load_general_plugins
 
-    import vllm_kvmem  # noqa: F401  (patches EngineArgs for the kwargs)
+    # vLLM's own plugin loading (it honours VLLM_PLUGINS), before LLM(...)
+    # validates the vllm-kvmem keyword arguments.
+    load_general_plugins()
 
     llm = LLM(**llm_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

@@ -1,8 +1,11 @@
 """The ``vllm.general_plugins`` entry point: patch vLLM in every process.
 
-vLLM runs this in the API server, the engine core and every worker; importing
-``vllm_kvmem`` runs it too. It is idempotent, and refuses (one log line,
-nothing patched) any vLLM other than the 0.32 series it was written against.
+vLLM runs :func:`register` in the API server, the engine core and every
+worker; Python users call it once before ``LLM(...)`` (``vllm_kvmem.register()``).
+It is idempotent, applies only the patches that belong on the current
+platform, and refuses (one log line, nothing patched) any vLLM other than the
+0.32 series it was written against. This module imports vLLM only when
+:func:`register` runs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ def vllm_version() -> str:
 
 
 def register() -> bool:
-    """Apply every patch once; return True when vllm-kvmem is active."""
+    """Apply the current platform's patches once; True when vllm-kvmem is active."""
     if _state["done"]:
         return _state["patched"]
     _state["done"] = True
@@ -37,11 +40,19 @@ def register() -> bool:
             version,
         )
         return False
-    from vllm_kvmem.patches import ALL_PATCHES, apply_all
+    from vllm.platforms import current_platform
 
-    applied = apply_all(ALL_PATCHES)
+    from vllm_kvmem.patches import ALL_PATCHES, apply_all, for_platform
+
+    patches = for_platform(ALL_PATCHES, current_platform)
+    applied = apply_all(patches)
     _state["patched"] = True
+    skipped = [p.name for p in ALL_PATCHES if p not in patches]
     logger.debug(
-        "vllm-kvmem patches applied in pid %d: %s", os.getpid(), ", ".join(applied)
+        "vllm-kvmem patches applied in pid %d on %s: %s%s",
+        os.getpid(),
+        type(current_platform).__name__,
+        ", ".join(applied) or "none new",
+        f" (not for this platform: {', '.join(skipped)})" if skipped else "",
     )
     return True

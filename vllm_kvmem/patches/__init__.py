@@ -6,7 +6,13 @@ generated from these records (``kvmem patches --markdown``).
 
 from __future__ import annotations
 
-from vllm_kvmem.patches._registry import Patch, apply_all, is_applied, original_of
+from vllm_kvmem.patches._registry import (
+    Patch,
+    apply_all,
+    for_platform,
+    is_applied,
+    original_of,
+)
 from vllm_kvmem.patches.block_pool_evict import PATCH as BLOCK_POOL_EVICT
 from vllm_kvmem.patches.cpu_attn_layouts import PATCH as CPU_ATTN_LAYOUTS
 from vllm_kvmem.patches.cpu_worker_memory import PATCH as CPU_WORKER_MEMORY
@@ -35,4 +41,11 @@ ALL_PATCHES: tuple[Patch, ...] = (
     BLOCK_POOL_EVICT,
 )
 
-__all__ = ["ALL_PATCHES", "Patch", "apply_all", "is_applied", "original_of"]
+__all__ = [
+    "ALL_PATCHES",
+    "Patch",
+    "apply_all",
+    "for_platform",
+    "is_applied",
+    "original_of",
+]

@@ -13,10 +13,20 @@ import inspect
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 _MARK = "__kvmem_patch__"
 _ORIGINAL = "__kvmem_original__"
+
+PlatformName = Literal["cpu", "cuda", "rocm", "xpu"]
+#: Every platform a patch can name, and the ``Platform`` predicate for it.
+PLATFORM_CHECKS: dict[str, str] = {
+    "cpu": "is_cpu",
+    "cuda": "is_cuda",
+    "rocm": "is_rocm",
+    "xpu": "is_xpu",
+}
+ALL_PLATFORMS: tuple[PlatformName, ...] = ("cpu", "cuda", "rocm", "xpu")
 
 
 @dataclass(frozen=True)
@@ -31,12 +41,36 @@ class Patch:
     signature: tuple[str, ...]
     """Parameter names the original must have; a test fails if vLLM moves."""
     processes: tuple[str, ...]
+    platforms: tuple[PlatformName, ...]
+    """Where the target runs. A patch whose platforms exclude the current one
+    is never resolved, so its module is never imported there: CPU-only vLLM
+    modules (``vllm.v1.worker.cpu*``) replace ``torch.cuda`` at import time."""
     why: str
     how: str
     upstream: str
     remove_when: str
     signature_is_prefix: bool = False
     """For huge generated signatures (dataclass ``__init__``): check a prefix."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.platforms) - set(PLATFORM_CHECKS)
+        if not self.platforms or unknown:
+            raise ValueError(
+                f"patch {self.name}: platforms must be a non-empty subset of "
+                f"{sorted(PLATFORM_CHECKS)}, got {self.platforms}"
+            )
+
+    def applies_to(self, platform: Any) -> bool:
+        """Whether this patch belongs on ``platform`` (a vLLM ``Platform``)."""
+        return any(getattr(platform, PLATFORM_CHECKS[p])() for p in self.platforms)
+
+    @property
+    def platforms_text(self) -> str:
+        if set(self.platforms) == set(ALL_PLATFORMS):
+            return "all (CPU, CUDA, ROCm, XPU)"
+        names = {"cpu": "CPU", "cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU"}
+        only = " only" if len(self.platforms) == 1 else ""
+        return ", ".join(names[p] for p in self.platforms) + only
 
     @property
     def module_name(self) -> str:
@@ -113,8 +147,17 @@ def _rebind_imported_names(original: Any, replacement: Any, attr: str) -> None:
             setattr(module, attr, replacement)
 
 
+def for_platform(patches: Iterable[Patch], platform: Any) -> list[Patch]:
+    """The patches that belong on ``platform``, in order."""
+    return [p for p in patches if p.applies_to(platform)]
+
+
 def apply_all(patches: Iterable[Patch]) -> list[str]:
-    """Apply patches in order; return the names newly applied."""
+    """Apply patches in order; return the names newly applied.
+
+    Callers pick the patches for the current platform first
+    (:func:`for_platform`): resolving a target imports its module.
+    """
     return [p.name for p in patches if apply(p)]
 
 
@@ -127,6 +170,9 @@ def to_markdown(patches: Iterable[Patch]) -> str:
         "`vllm_kvmem/patches/`; `tests/test_patches.py` fails if this file is stale.",
         "Every patch is applied idempotently in the processes listed, keeps the",
         "original, and is refused as a whole when the vLLM version is not 0.32.x.",
+        "A patch is applied only on the platforms it names",
+        "(`vllm.platforms.current_platform`); on the others its target module is",
+        "never imported.",
         "",
     ]
     for p in patches:
@@ -135,6 +181,7 @@ def to_markdown(patches: Iterable[Patch]) -> str:
             "",
             f"- **Target:** `{p.target}({', '.join(p.signature)})`",
             f"- **Processes:** {', '.join(p.processes)}",
+            f"- **Platforms:** {p.platforms_text}",
             f"- **Why:** {p.why}",
             f"- **How:** {p.how}",
             f"- **Upstream:** {p.upstream}",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -22,6 +22,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self", "block"),
     processes=("engine core",),
+    platforms=ALL_PLATFORMS,
     why="The host tier keeps exactly the blocks the device prefix cache evicts, "
     "at the moment a freed cached block is handed to another request; vLLM's "
     "connector API has no eviction callback (KV events carry hashes, not the "

@@ -24,6 +24,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("cls",),
     processes=("engine core", "CPU workers"),
+    platforms=("cpu",),
     why="CPU_ATTN declares only LBHNC, yet its kernel reads each layer's "
     "[H, N, C] block interior through the view's block stride, so it works on "
     "BLHNC views (block stride = layers x page). Without the declaration the "

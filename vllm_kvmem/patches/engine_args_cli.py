@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from vllm_kvmem.config import KVMemConfig
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 GROUP_TITLE = "vllm-kvmem"
 
@@ -43,6 +43,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("parser",),
     processes=("API server / CLI",),
+    platforms=ALL_PLATFORMS,
     why="The vllm-kvmem options must be server flags (`--enable-pp-prop-kv-cache`) "
     "that `vllm serve` and `python -m vllm.entrypoints.openai.api_server` accept.",
     how="Wraps the static method: after vLLM builds its parser, adds a `vllm-kvmem` "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -24,6 +24,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self", "usage_context", "headless"),
     processes=("API server / LLM process",),
+    platforms=ALL_PLATFORMS,
     why="Bad vllm-kvmem options must fail at startup with a message naming the "
     "flag, before any worker starts; `--enable-pp-prop-kv-cache` without "
     "`--kv-cache-memory-bytes` is such an error. The check must see the final "

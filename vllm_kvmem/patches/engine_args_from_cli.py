@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm_kvmem.config import KVMemConfig, merge_options
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -29,6 +29,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("cls", "args"),
     processes=("API server / CLI",),
+    platforms=ALL_PLATFORMS,
     why="`from_cli_args` keeps only namespace attributes that are EngineArgs "
     "dataclass fields, so the vllm-kvmem flags would be dropped silently.",
     how="Wraps the class method: reads the vllm-kvmem attributes that were given "

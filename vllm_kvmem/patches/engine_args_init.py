@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vllm_kvmem.config import KVMemConfig, merge_options
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -26,9 +26,11 @@ def _make(original):
 _COMMON = dict(
     make_replacement=_make,
     processes=("the Python process that builds EngineArgs (LLM, AsyncLLM, server)",),
+    platforms=ALL_PLATFORMS,
     why="`LLM(**kwargs)` passes unknown keyword arguments to the EngineArgs "
     "dataclass, which rejects them, so `LLM(..., enable_pp_prop_kv_cache=True)` "
-    "would fail. Python users import `vllm_kvmem` first to get this patch.",
+    "would fail. Python users call `vllm_kvmem.register()` first to get this "
+    "patch.",
     how="Wraps the generated dataclass `__init__`: pops the vllm-kvmem keyword "
     "arguments, calls vLLM's `__init__` with the rest, and merges them into "
     "`additional_config['kvmem']`.",

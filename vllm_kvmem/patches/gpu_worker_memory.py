@@ -11,6 +11,7 @@ PATCH = Patch(
     make_replacement=w.make_replacement,
     signature=("self",),
     processes=("GPU workers",),
+    platforms=("cuda", "rocm", "xpu"),
     why=w.WHY,
     how=w.HOW,
     upstream=w.UPSTREAM,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -22,6 +22,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("vllm_config", "kv_cache_specs", "available_memory"),
     processes=("engine core",),
+    platforms=ALL_PLATFORMS,
     why="vLLM hands every pipeline stage the same `--kv-cache-memory-bytes` and "
     "then cuts all stages to the smallest block count (PR #25164). With uneven "
     "stages the operator cannot give the pipeline one total budget; "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -24,6 +24,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("vllm_config", "supported_layouts", "kv_cache_specs"),
     processes=("engine core",),
+    platforms=ALL_PLATFORMS,
     why="A connector that moves blocks wants all layers of a block adjacent (one "
     "copy per block instead of one per layer), but only when the model and the "
     "backends allow it; `get_required_kvcache_layout()` names one fixed layout "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvmem.patches._registry import Patch
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 
 def _make(original):
@@ -23,6 +23,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self", "kv_cache_configs"),
     processes=("every worker",),
+    platforms=ALL_PLATFORMS,
     why="Operators read each rank's KV reservation in that rank's own log, in "
     "the seed's form: `reserved 4.38 GiB for KV cache (proportionally split "
     "from 5.00 GiB based on 56/64 layers on rank 0)`.",
