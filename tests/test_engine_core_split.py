@@ -10,6 +10,8 @@ standing in for what a GPU worker would report).
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 from vllm.engine.arg_utils import EngineArgs
@@ -230,3 +232,37 @@ def test_startup_report_lists_every_rank(model_8l):
         assert int(layers) == (6 if rank < 2 else 2)
         assert int(blocks.replace(",", "")) == c.num_blocks
         assert int(tokens.replace(",", "")) == _capacity(cfg, c)
+
+
+@pytest.mark.parametrize("flag", ["pp-prop", "tokens"])
+def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
+    """The workers' components (here as the executor patch stores them; a GPU
+    worker would measure them) appear in the refusal, and the suggestion fits
+    the limit after every component is taken off."""
+    from vllm_kvmem.device_limits import RUNTIME_KEY, DeviceLimit
+
+    def config(budget=None, tokens=None):
+        cfg = _config(model_8l, budget=budget or (1 << 30), tokens=tokens)
+        tight = DeviceLimit(free=900 << 20, cuda_graphs=300 << 20, staging=256 << 20)
+        runtime = cfg.additional_config.setdefault(RUNTIME_KEY, {})
+        runtime["device_limits"] = [asdict(tight), asdict(DeviceLimit(free=BIG))]
+        limits = [tight.kv_bytes, BIG]  # 344 MiB on rank 0
+        return cfg, limits
+
+    cfg, limits = config(tokens=2_000_000) if flag == "tokens" else config()
+    with pytest.raises(ValueError) as e:
+        ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), limits)
+    msg = str(e.value)
+    assert (
+        "900.00 MiB free after loading the model, less 300.00 MiB for vLLM's CUDA "
+        "graph estimate, less 256.00 MiB for the host KV tier's staging buffer: "
+        "344.00 MiB" in msg
+    )
+    if flag == "tokens":
+        fit = int(msg.split("Use --kv-cache-tokens ")[1].split()[0].replace(",", ""))
+        ok, limits = config(tokens=fit)
+    else:
+        fit = msg.split("Use `--kv-cache-memory-bytes ")[1].split("`")[0]
+        ok, limits = config(budget=human_readable_int(fit))
+    configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
+    assert _alloc(configs[0]) <= 344 << 20

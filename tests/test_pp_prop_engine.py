@@ -64,6 +64,15 @@ def test_uneven_split_via_llm_kwargs(model_8l):
         assert float(line.group(1)) == round(ranks[rank]["kv_bytes"] / (1 << 30), 2)
     assert "pipeline-wide, split by KV bytes per block" in run.log
     assert "w/o flag: KV GiB" in run.log
+    # The engine core collected both workers' limits (executor patch, across
+    # processes); on CPU nothing is allocated after the KV cache.
+    collected = re.search(r"KV cache limit per rank: (.*)\.", run.log)
+    assert collected, run.log[-4000:]
+    assert re.fullmatch(
+        r"rank 0: [\d,.]+ MiB free after loading the model; "
+        r"rank 1: [\d,.]+ MiB free after loading the model",
+        collected.group(1),
+    )
 
 
 def test_even_split_via_additional_config_other_shape(model_6l):

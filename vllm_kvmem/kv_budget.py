@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 from vllm_kvmem import pp_prop
 from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core.units import MiB, gib
+from vllm_kvmem.device_limits import limits_for
 
 logger = init_logger("vllm.kvmem.kv_budget")
 
@@ -116,6 +117,7 @@ def token_budget_configs(
     if vllm_config.model_config.original_max_model_len != -1:
         _check_holds_a_sequence(vllm_config, groups, blocks, tokens)
     memory = [blocks * pool_bytes_per_block(vllm_config, g) if g else 0 for g in groups]
+    described = limits_for(vllm_config, limits)
     for rank, (need, limit) in enumerate(zip(memory, limits)):
         if need > limit:
             bpb = pool_bytes_per_block(vllm_config, groups[rank])
@@ -123,7 +125,7 @@ def token_budget_configs(
             raise ValueError(
                 f"{TOKENS_FLAG} {tokens:,}: rank {rank} needs {blocks:,} blocks = "
                 f"{need / MiB:,.2f} MiB of KV cache, more than its device can hold "
-                f"({limit / MiB:,.2f} MiB free after loading the model). Use "
+                f"({described[rank].describe()}). Use "
                 f"{TOKENS_FLAG} {fit:,} or less."
             )
     logger.info(

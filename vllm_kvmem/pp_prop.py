@@ -23,6 +23,7 @@ from vllm.logger import init_logger
 from vllm_kvmem.config import ADDITIONAL_CONFIG_KEY, KVMemConfig
 from vllm_kvmem.core import pp_split
 from vllm_kvmem.core.units import MiB, flag_size, gib
+from vllm_kvmem.device_limits import DeviceLimit, limits_for
 
 logger = init_logger("vllm.kvmem.pp_prop")
 
@@ -106,14 +107,10 @@ def device_kv_limit(worker: Any) -> int:
     return int(free)
 
 
-def report_device_limit(worker: Any, held_back: int) -> int:
+def report_device_limit(worker: Any, limit: DeviceLimit) -> int:
     """What a worker returns from ``determine_available_memory`` when the engine
-    sizes the KV cache (pipeline-wide budget or token budget).
-
-    ``held_back`` is what vLLM's explicit-budget path kept off the budget on
-    this device (multimodal IPC buffers); it is kept off the limit too.
-    """
-    limit = max(0, device_kv_limit(worker) - max(0, held_back))
+    sizes the KV cache (pipeline-wide budget or token budget): free memory
+    less what is allocated after the KV cache (``DeviceLimit``)."""
     budget = worker.cache_config.kv_cache_memory_bytes
     how = (
         f"KV cache budget {gib(budget)} GiB ({BUDGET_FLAG}) is pipeline-wide with "
@@ -122,12 +119,13 @@ def report_device_limit(worker: Any, held_back: int) -> int:
         else "KV cache is sized in tokens (--kv-cache-tokens)"
     )
     logger.info(
-        "%s; this rank's device can hold up to %s GiB of KV cache; the engine "
-        "assigns this rank's share.",
+        "%s; this rank's device can hold up to %s GiB of KV cache (%s); the "
+        "engine assigns this rank's share.",
         how,
-        gib(limit),
+        gib(limit.kv_bytes),
+        limit.describe(),
     )
-    return limit
+    return limit.kv_bytes
 
 
 def _stage_layers(kv_cache_configs: Sequence[Any]) -> list[frozenset[str]]:
@@ -219,6 +217,7 @@ def proportional_kv_cache_configs(
     bpb = [ku._pool_bytes_per_block(vllm_config, g) for g in groups]
     stage = _stage_of_each_worker(kv_cache_specs)
     stages = _Stages(stage, bpb, available_memory)
+    stages.described = limits_for(vllm_config, available_memory)
     per_stage = pp_split.split_budget(budget, stages.bpb)
     shares = [per_stage[s].share_bytes for s in stage]
 
@@ -250,6 +249,7 @@ class _Stages:
             for s in range(n)
         ]
         self.limits = [limits[r] for r in self.limit_rank]
+        self.described: list[DeviceLimit] = [DeviceLimit(free=x) for x in limits]
 
 
 def _check_shares_fit_devices(
@@ -261,8 +261,9 @@ def _check_shares_fit_devices(
             raise ValueError(
                 f"{FLAG}: rank {stages.limit_rank[s]} (pipeline stage {s}) gets "
                 f"{_mib(share.share_bytes)} of the {_mib(budget)} {BUDGET_FLAG} "
-                f"budget, more than its device can hold ({_mib(limit)} free after "
-                f"loading the model). Use `{BUDGET_FLAG} {_flag_floor(ok)}` or "
+                f"budget, more than its device can hold "
+                f"({stages.described[stages.limit_rank[s]].describe()}). Use "
+                f"`{BUDGET_FLAG} {_flag_floor(ok)}` or "
                 f"less, or move layers off this stage with VLLM_PP_LAYER_PARTITION."
             )
 

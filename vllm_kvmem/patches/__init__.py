@@ -21,6 +21,7 @@ from vllm_kvmem.patches.engine_args_config import PATCH as ENGINE_ARGS_CONFIG
 from vllm_kvmem.patches.engine_args_from_cli import PATCH as ENGINE_ARGS_FROM_CLI
 from vllm_kvmem.patches.engine_args_init import ASYNC_PATCH as ASYNC_ENGINE_ARGS_INIT
 from vllm_kvmem.patches.engine_args_init import PATCH as ENGINE_ARGS_INIT
+from vllm_kvmem.patches.executor_device_limits import PATCH as EXECUTOR_DEVICE_LIMITS
 from vllm_kvmem.patches.gpu_worker_memory import PATCH as GPU_WORKER_MEMORY
 from vllm_kvmem.patches.kv_cache_configs import PATCH as KV_CACHE_CONFIGS
 from vllm_kvmem.patches.kv_cache_layout import PATCH as KV_CACHE_LAYOUT
@@ -35,6 +36,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     KV_CACHE_CONFIGS,
     GPU_WORKER_MEMORY,
     CPU_WORKER_MEMORY,
+    EXECUTOR_DEVICE_LIMITS,
     WORKER_KV_SHARE_LOG,
     KV_CACHE_LAYOUT,
     CPU_ATTN_LAYOUTS,

@@ -15,7 +15,10 @@ HOW = (
     "vLLM skips profiling and the CPU worker's memory-fraction check), returns "
     "the device's KV limit (free device "
     "memory after profiling, or the NUMA node's available memory on CPU) "
-    "instead of the budget. The engine core patch turns limits into shares."
+    "instead of the budget, less what the device allocates after the KV cache: "
+    "vLLM's own CUDA graph estimate (`profile_cudagraph_memory`, where vLLM "
+    "profiles graphs), the host tier's staging buffer, and vLLM's multimodal "
+    "IPC reservation. The engine core patch turns limits into shares."
 )
 UPSTREAM = "None: part of the seed 000 feature; upstream PR would add the limit."
 REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."
@@ -23,12 +26,13 @@ REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."
 
 def make_replacement(original):
     def determine_available_memory(self):
+        from vllm_kvmem import device_limits
         from vllm_kvmem.kv_budget import uses_device_limits
-        from vllm_kvmem.pp_prop import report_device_limit
+        from vllm_kvmem.pp_prop import device_kv_limit, report_device_limit
 
         if not uses_device_limits(self.vllm_config):
             return original(self)
-        budget = self.cache_config.kv_cache_memory_bytes
-        return report_device_limit(self, held_back=budget - original(self))
+        limit = device_limits.measure(self, original, device_kv_limit)
+        return report_device_limit(self, limit)
 
     return determine_available_memory

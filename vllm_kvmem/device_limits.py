@@ -1,0 +1,197 @@
+"""How much KV cache a worker's device can really hold, component by component.
+
+When the engine sizes the KV cache itself (``--enable-pp-prop-kv-cache`` or
+``--kv-cache-tokens``) every worker reports a limit instead of a budget, and
+the engine refuses a share above it. vLLM's explicit-budget path measures
+free memory after the profile run, but two things are allocated later on the
+device and must come off that figure, or a share the engine accepts runs out
+of memory after startup:
+
+* CUDA graphs, captured in ``compile_or_warm_up_model``: vLLM's own estimate
+  (``model_runner.profile_cudagraph_memory()``, the figure vLLM subtracts on
+  its profiled path) on the platforms where vLLM profiles graphs.
+* The host tier copy engine's staging buffer (its per-transfer cap).
+
+vLLM's multimodal IPC reservation (``reserve_mm_ipc_gpu_memory``) also comes
+off, as on vLLM's own paths. Each worker keeps its components; the engine core
+collects them (``collect_from_workers``) so that its errors can name them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kvmem.core.units import MiB
+
+logger = init_logger("vllm.kvmem.device_limits")
+
+RUNTIME_KEY = "kvmem_runtime"
+_WORKER_ATTR = "_kvmem_device_limit"
+# Larger than any reservation, so that vLLM's function returns instead of
+# raising and the difference is the reservation.
+_PROBE_BYTES = 1 << 60
+
+
+@dataclass(frozen=True)
+class DeviceLimit:
+    """One worker's KV limit and what it is made of (bytes)."""
+
+    free: int
+    """Free device memory after the profile run (CPU: the NUMA node's available
+    memory)."""
+    mm_reserved: int = 0
+    """vLLM's reservation for frontend multimodal GPU work."""
+    cuda_graphs: int = 0
+    """vLLM's estimate of the CUDA graph memory captured after the KV cache."""
+    staging: int = 0
+    """The host tier copy engine's staging buffer cap."""
+
+    @property
+    def kv_bytes(self) -> int:
+        return max(0, self.free - self.mm_reserved - self.cuda_graphs - self.staging)
+
+    def describe(self) -> str:
+        """``X MiB free after loading the model, less ... = Y MiB``."""
+        text = f"{_mib(self.free)} free after loading the model"
+        less = [
+            (self.mm_reserved, "vLLM's multimodal IPC reservation"),
+            (self.cuda_graphs, "vLLM's CUDA graph estimate"),
+            (self.staging, "the host KV tier's staging buffer"),
+        ]
+        parts = [f"less {_mib(n)} for {what}" for n, what in less if n]
+        if not parts:
+            return text
+        return f"{text}, {', '.join(parts)}: {_mib(self.kv_bytes)}"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / MiB:,.2f} MiB"
+
+
+# ------------------------------------------------------------------- workers
+
+
+def mm_reservation_bytes(vllm_config: Any) -> int:
+    """What vLLM keeps off the KV cache for frontend multimodal GPU work, from
+    vLLM's own ``reserve_mm_ipc_gpu_memory``."""
+    mm_config = vllm_config.model_config.multimodal_config
+    if mm_config is None:
+        return 0
+    from vllm.multimodal.gpu_ipc_memory import reserve_mm_ipc_gpu_memory
+
+    count = getattr(vllm_config.parallel_config, "_api_process_count", 1)
+    return _PROBE_BYTES - reserve_mm_ipc_gpu_memory(_PROBE_BYTES, mm_config, count)
+
+
+def cuda_graph_estimate_bytes(worker: Any) -> int:
+    """vLLM's estimate of the CUDA graph memory this worker will capture, where
+    vLLM itself profiles it (``Worker.determine_available_memory``); 0 where no
+    graph is captured or the estimate is switched off."""
+    from vllm import envs
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    config = worker.vllm_config.compilation_config
+    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+        return 0
+    if config.cudagraph_mode == CUDAGraphMode.NONE:
+        return 0
+    estimate = int(worker.model_runner.profile_cudagraph_memory())
+    # vLLM compares this with the memory graph capture really takes.
+    worker.cudagraph_memory_estimate = estimate
+    if not envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS:
+        logger.warning(
+            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0: the %.2f GiB that CUDA "
+            "graphs are estimated to take is not kept off the KV cache limit.",
+            estimate / (1 << 30),
+        )
+        return 0
+    return estimate
+
+
+def staging_reserve_bytes(vllm_config: Any) -> int:
+    """The host tier's device staging buffer cap, when the tier is on."""
+    from vllm_kvmem.config import KVMemConfig
+
+    if KVMemConfig.from_vllm_config(vllm_config).kv_host_cache_bytes is None:
+        return 0
+    from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
+
+    return DEFAULT_MAX_STAGING_BYTES
+
+
+def measure(worker: Any, original: Any, device_free: Any) -> DeviceLimit:
+    """Run vLLM's ``determine_available_memory`` (profile run, vLLM's checks),
+    then measure this worker's limit. ``device_free(worker)`` reads free
+    device memory."""
+    config = worker.cache_config
+    mm = mm_reservation_bytes(worker.vllm_config)
+    # A token budget runs vLLM's explicit path with a placeholder smaller than
+    # the multimodal reservation, which vLLM would refuse; let it through.
+    with _budget_at_least(config, mm + 1):
+        held_back = config.kv_cache_memory_bytes - original(worker)
+    limit = DeviceLimit(
+        free=device_free(worker),
+        mm_reserved=max(0, held_back),
+        cuda_graphs=cuda_graph_estimate_bytes(worker),
+        staging=staging_reserve_bytes(worker.vllm_config),
+    )
+    setattr(worker, _WORKER_ATTR, limit)
+    return limit
+
+
+@contextlib.contextmanager
+def _budget_at_least(cache_config: Any, floor: int):
+    saved = cache_config.kv_cache_memory_bytes
+    if saved < floor:
+        cache_config.kv_cache_memory_bytes = floor
+    try:
+        yield
+    finally:
+        cache_config.kv_cache_memory_bytes = saved
+
+
+# --------------------------------------------------------------- engine core
+
+
+def _limit_of(wrapper: Any) -> dict[str, int] | None:
+    """Runs on each worker (``collective_rpc``): its measured components."""
+    worker = getattr(wrapper, "worker", wrapper)
+    limit = getattr(worker, _WORKER_ATTR, None)
+    return asdict(limit) if limit is not None else None
+
+
+def collect_from_workers(executor: Any) -> None:
+    """Store every worker's components where the engine core's planner finds
+    them (the engine core's own ``VllmConfig``)."""
+    parts = executor.collective_rpc(_limit_of)
+    runtime = executor.vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
+    runtime["device_limits"] = parts
+    logger.info(
+        "KV cache limit per rank: %s.",
+        "; ".join(
+            f"rank {r}: {DeviceLimit(**p).describe()}" if p else f"rank {r}: n/a"
+            for r, p in enumerate(parts)
+        ),
+    )
+
+
+def limits_for(vllm_config: Any, available_memory: list[int]) -> list[DeviceLimit]:
+    """Each worker's limit with its components; a worker that reported none
+    (or an executor that reduced the list) counts as plain free memory."""
+    runtime = (vllm_config.additional_config or {}).get(RUNTIME_KEY, {})
+    parts = runtime.get("device_limits") or []
+    out = []
+    for rank, available in enumerate(available_memory):
+        p = parts[rank] if rank < len(parts) else None
+        limit = DeviceLimit(**p) if p else None
+        out.append(
+            limit
+            if limit is not None and limit.kv_bytes == available
+            else DeviceLimit(free=available)
+        )
+    return out

@@ -1,0 +1,40 @@
+"""Collect each worker's KV limit components in the engine core."""
+
+from __future__ import annotations
+
+from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
+
+
+def _make(original):
+    def determine_available_memory(self):
+        limits = original(self)
+        from vllm_kvmem.kv_budget import uses_device_limits
+
+        if uses_device_limits(self.vllm_config):
+            from vllm_kvmem.device_limits import collect_from_workers
+
+            collect_from_workers(self)
+        return limits
+
+    return determine_available_memory
+
+
+PATCH = Patch(
+    name="executor_device_limits",
+    target="vllm.v1.executor.abstract:Executor.determine_available_memory",
+    make_replacement=_make,
+    signature=("self",),
+    processes=("engine core",),
+    platforms=ALL_PLATFORMS,
+    why="A worker's KV limit is free memory less what is allocated after the KV "
+    "cache (CUDA graphs, the host tier's staging buffer); vLLM returns one "
+    "integer per worker, so the engine core's refusal of a share could not say "
+    "which component took the memory or what to change.",
+    how="After vLLM's own call, only when the engine sizes the KV cache "
+    "(`--enable-pp-prop-kv-cache` or `--kv-cache-tokens`), asks every worker "
+    "(`collective_rpc`) for the components it measured and keeps them in the "
+    "engine core's `additional_config['kvmem_runtime']` for the planner's "
+    "error messages. The integers vLLM uses are unchanged.",
+    upstream="None: part of the seed 000 feature.",
+    remove_when="vLLM ships a pipeline-proportional KV budget.",
+)
