@@ -79,6 +79,7 @@ report = dict(
     applied=sorted(p.name for p in mine if is_applied(p)),
     expected=sorted(p.name for p in mine),
     reapplied=apply_all(mine),
+    active=__import__("vllm_kvmem.plugin").plugin._state["patched"],
 )
 print("REPORT " + json.dumps(report))
 """
@@ -114,12 +115,18 @@ def test_non_cpu_platform_keeps_torch_cuda_and_imports_no_cpu_module(kind):
     assert report["is_cpu"] is False
     assert report["cpu_worker_modules"] == []
     assert report["torch_changed"] == []
-    # The plugin really loaded and applied the non-CPU patches, once.
     assert report["applied"] == report["expected"]
-    assert "cpu_worker_memory" not in report["expected"]
-    assert "cpu_attn_layouts" not in report["expected"]
-    assert ("gpu_worker_memory" in report["expected"]) == (kind == "cuda")
     assert report["reapplied"] == []
+    if kind == "cuda":
+        # The plugin really loaded and applied the CUDA patches, once.
+        assert report["active"] is True
+        assert "gpu_worker_memory" in report["expected"]
+        assert "kv_cache_configs" in report["expected"]
+        assert not {"cpu_worker_memory", "cpu_attn_layouts"} & set(report["expected"])
+    else:
+        # A platform vllm-kvmem does not know: nothing patched (one warning).
+        assert report["active"] is False
+        assert report["expected"] == []
     assert not any(
         m.startswith(("vllm.v1.worker.cpu", "vllm.v1.attention.backends.cpu"))
         for m in report["imported_by_plugin"]

@@ -117,6 +117,11 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     assert limit.staging == DEFAULT_MAX_STAGING_BYTES
     assert limit.kv_bytes == (7 << 30) - (300 << 20) - DEFAULT_MAX_STAGING_BYTES
     assert pp_prop.report_device_limit(worker, limit) == limit.kv_bytes
+    # The tier's opt-in layout (BLHNC) copies blocks directly: no staging.
+    cfg.cache_config.kv_cache_layout = "BLHNC"
+    assert device_limits.staging_reserve_bytes(cfg) == 0
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    assert device_limits.staging_reserve_bytes(cfg) == DEFAULT_MAX_STAGING_BYTES
 
 
 def test_gpu_limit_without_graphs_or_tier_is_free_memory(model_8l, monkeypatch):

@@ -10,7 +10,8 @@ of memory after startup:
 * CUDA graphs, captured in ``compile_or_warm_up_model``: vLLM's own estimate
   (``model_runner.profile_cudagraph_memory()``, the figure vLLM subtracts on
   its profiled path) on the platforms where vLLM profiles graphs.
-* The host tier copy engine's staging buffer (its per-transfer cap).
+* The host tier copy engine's staging buffer (its per-transfer cap), unless
+  the layout lets it copy blocks directly.
 
 vLLM's multimodal IPC reservation (``reserve_mm_ipc_gpu_memory``) also comes
 off, as on vLLM's own paths. Each worker keeps its components; the engine core
@@ -114,13 +115,23 @@ def cuda_graph_estimate_bytes(worker: Any) -> int:
 
 
 def staging_reserve_bytes(vllm_config: Any) -> int:
-    """The host tier's device staging buffer cap, when the tier is on."""
+    """The host tier's device staging buffer cap, when the tier is on and the
+    layout makes its copy engine gather (a block-then-layer layout such as
+    BLHNC, which the tier opts in to, is copied directly, without staging)."""
     from vllm_kvmem.config import KVMemConfig
 
     if KVMemConfig.from_vllm_config(vllm_config).kv_host_cache_bytes is None:
         return 0
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
     from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
 
+    layout = vllm_config.cache_config.kv_cache_layout
+    block_then_layer = KVCacheLayout.BLHNC.value[
+        :2
+    ]  # B outermost, then L: every layer of a block adjacent
+    if layout is not None and KVCacheLayout[layout].value[:2] == block_then_layer:
+        return 0
     return DEFAULT_MAX_STAGING_BYTES
 
 

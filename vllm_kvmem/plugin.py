@@ -45,6 +45,13 @@ def register() -> bool:
     from vllm_kvmem.patches import ALL_PATCHES, apply_all, for_platform
 
     patches = for_platform(ALL_PATCHES, current_platform)
+    if not patches:
+        logger.warning(
+            "vllm-kvmem supports the CPU, CUDA, ROCm and XPU platforms, not %s: "
+            "nothing patched, the vllm-kvmem options are unavailable.",
+            type(current_platform).__name__,
+        )
+        return False
     applied = apply_all(patches)
     _state["patched"] = True
     skipped = [p.name for p in ALL_PATCHES if p not in patches]
