@@ -14,9 +14,9 @@ from dataclasses import asdict
 
 import pytest
 import torch
+import vllm.v1.attention.backends.utils as attn_utils
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import human_readable_int
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core import kv_cache_utils as ku
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -59,7 +59,7 @@ def _specs(cfg, layers_per_stage, tp=1, heads=None):
         }
         first += n
         out += [dict(stage_specs) for _ in range(tp)]
-    resolve_kv_cache_layout(
+    attn_utils.resolve_kv_cache_layout(
         cfg, [["LBHNC"]] * len(out), [s for d in out for s in d.values()]
     )
     return out

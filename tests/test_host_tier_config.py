@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import psutil
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_kvmem.host_tier import CONNECTOR_NAME
+from vllm_kvmem.plugin import register
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
 pytestmark = pytest.mark.usefixtures("vllm_patched")
@@ -66,3 +69,90 @@ def test_bad_input_fails_at_startup(model_8l, extra, match):
     kw = {"kv_host_cache_bytes": 64 << 20, **extra}
     with pytest.raises(ValueError, match=match):
         _args(model_8l, **kw).create_engine_config()
+
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def available_10g(monkeypatch):
+    """Only psutil's available-memory figure is faked (10 GiB, so the 80%
+    limit is a round 8 GiB); every other field, and everything vLLM does while
+    building the config, is real."""
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(
+        psutil, "virtual_memory", lambda: real._replace(available=10 * GIB)
+    )
+
+
+def _records(name: str):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    return records, handler, logging.getLogger(name)
+
+
+@pytest.mark.parametrize(
+    "parallel,tp,dp_local",
+    [
+        ({}, 1, 1),
+        ({"tensor_parallel_size": 2, "data_parallel_size": 2}, 2, 2),
+        # Two of the four data-parallel ranks on this node: only those count.
+        (
+            {
+                "tensor_parallel_size": 2,
+                "data_parallel_size": 4,
+                "data_parallel_size_local": 2,
+            },
+            2,
+            2,
+        ),
+        ({"tensor_parallel_size": 4, "data_parallel_size": 2}, 4, 2),
+    ],
+)
+def test_memory_check_counts_every_rank_on_the_node_with_headroom(
+    model_8l, available_10g, parallel, tp, dp_local
+):
+    """size x TP x DP-local must fit in 80% of the available memory: exactly
+    at the limit starts, one MiB more fails naming the arithmetic, and the
+    value the error suggests starts."""
+    register()
+    pools = tp * dp_local
+    at_limit = 8 * GIB // pools
+    records, handler, log = _records("vllm.kvmem.host_tier")
+    log.addHandler(handler)
+    try:
+        args = _args(model_8l, kv_host_cache_bytes=at_limit, **parallel)
+        cfg = args.create_engine_config()
+    finally:
+        log.removeHandler(handler)
+    assert cfg.kv_transfer_config.kv_connector == CONNECTOR_NAME
+    assert cfg.parallel_config.tensor_parallel_size == tp
+    checks = [r for r in records if "memory check" in r.getMessage()]
+    assert len(checks) == 1 and checks[0].levelno == logging.INFO
+    line = checks[0].getMessage()
+    expected = f"{at_limit / GIB:.2f} GiB x {tp} TP x {dp_local} DP-local = 8.00 GiB"
+    assert expected in line
+    assert "80% of the 10.00 GiB" in line
+
+    too_big = at_limit + (1 << 20)
+    with pytest.raises(ValueError) as e:
+        _args(model_8l, kv_host_cache_bytes=too_big, **parallel).create_engine_config()
+    msg = str(e.value)
+    assert f"--kv-host-cache-bytes {too_big:,} bytes" in msg
+    assert (
+        f"{too_big / GIB:.2f} GiB x {tp} TP x {dp_local} DP-local = "
+        f"{too_big * pools / GIB:.2f} GiB on this node" in msg
+    )
+    assert "80% of the 10.00 GiB of host memory available = 8.00 GiB" in msg
+    suggested = f"{8 * 1024 // pools}M"
+    assert f"Use --kv-host-cache-bytes {suggested} or less" in msg
+    _args(model_8l, kv_host_cache_bytes=suggested, **parallel).create_engine_config()
+
+
+def test_memory_check_keeps_a_fifth_of_available_memory_free(model_8l, available_10g):
+    """9 GiB would fit in the 10 GiB available, but pinned memory cannot be
+    swapped: it must also leave 20% free."""
+    register()
+    with pytest.raises(ValueError, match=r"limit 80% of the 10\.00 GiB"):
+        _args(model_8l, kv_host_cache_bytes=9 * GIB).create_engine_config()

@@ -98,7 +98,7 @@ def test_unsupported_model_turns_the_tier_off_and_serves(tmp_path):
     assert len(run.report["token_ids"][0]) == 4
 
 
-def test_abort_mid_load_releases_everything(model_8l, monkeypatch):
+def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
@@ -169,3 +169,77 @@ def test_host_tier_smaller_than_one_steps_evictions(model_8l):
     assert on.returncode == 0, on.log[-4000:]
     assert on.report["token_ids"] == off.report["token_ids"]
     assert "Host KV tier: 3 blocks" in on.log
+
+
+# Runs in a fresh process (VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core and
+# worker in that process, so its host pools can be counted there). The first
+# engine's worker connector stays referenced after the shutdown, as a traceback
+# or user code can keep it: vLLM's shutdown ends in gc.collect(), which would
+# otherwise free an unreferenced pool whether the connector released it or not.
+_TWO_ENGINES = """
+import json, sys
+from vllm_kvmem.plugin import register
+register()
+from vllm import LLM, SamplingParams
+from vllm.distributed.kv_transfer import get_kv_transfer_group
+from vllm_kvmem import host_tier
+from vllm_kvmem.core.copy_engine import live_pools
+
+kwargs = json.loads(sys.argv[1])
+params = SamplingParams(max_tokens=2, temperature=0.0)
+report = {}
+first = LLM(**kwargs)
+first.generate(["a short prompt"], params, use_tqdm=False)
+report["first_running"] = len(live_pools())
+kept = get_kv_transfer_group()  # the worker-side connector
+first.llm_engine.engine_core.shutdown()  # in-process shutdown in vLLM 0.32
+report["first_shut_down"] = len(live_pools())
+report["kept_connector_closed"] = kept._engine is None
+report["listener_cleared"] = host_tier._evict_listener is None
+second = LLM(**kwargs)
+report["second_running"] = len(live_pools())
+out = second.generate(["a short prompt"], params, use_tqdm=False)
+report["second_tokens"] = len(out[0].outputs[0].token_ids)
+second.llm_engine.engine_core.shutdown()
+report["second_shut_down"] = len(live_pools())
+print("TWO_ENGINES " + json.dumps(report), flush=True)
+"""
+
+
+def test_engine_shutdown_releases_the_host_pool(model_8l):
+    """Shutting an in-process engine down reaches the connector's shutdown()
+    (vLLM: EngineCore.shutdown -> executor -> Worker.shutdown ->
+    ensure_kv_transfer_shutdown), which releases the host pool: a second
+    engine in the same process finds one live pool, its own, not two."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ENGINE_TIMEOUT_S, ROOT, engine_env
+
+    kwargs = _kwargs(model_8l, True, enforce_eager=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TWO_ENGINES, json.dumps(kwargs)],
+        cwd=str(ROOT),
+        env=engine_env(VLLM_ENABLE_V1_MULTIPROCESSING="0"),
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("TWO_ENGINES "))
+    report = json.loads(line.split(" ", 1)[1])
+    assert report == {
+        "first_running": 1,
+        "first_shut_down": 0,
+        "kept_connector_closed": True,
+        "listener_cleared": True,
+        "second_running": 1,
+        "second_shut_down": 0,
+        "second_tokens": 2,
+    }
+    # The worker-side shutdown ran once per engine and released the pool, and
+    # each engine's startup check logged how it computed the memory limit.
+    assert log.count("Host KV tier released on this rank: 0.25 GiB") == 2
+    assert log.count("Host KV tier memory check: 0.25 GiB x 1 TP x 1 DP-local") == 2

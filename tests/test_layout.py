@@ -10,8 +10,8 @@ import logging
 
 import pytest
 import torch
+import vllm.v1.attention.backends.utils as attn_utils
 from vllm.engine.arg_utils import EngineArgs
-from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -69,21 +69,21 @@ def layout_log(model_8l):
 def test_opted_in_uniform_model_gets_blhnc(model_8l, layout_log):
     cfg = _config(model_8l)
     layout_log.clear()
-    layout = resolve_kv_cache_layout(cfg, CPU_LAYOUTS * 2, [FULL] * 8)
+    layout = attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS * 2, [FULL] * 8)
     assert layout.name == "BLHNC" and layout.is_block_outermost
     assert cfg.cache_config.kv_cache_layout == "BLHNC"
     assert any("contiguous across layers" in m for m in layout_log)
 
 
 def test_no_connector_or_no_opt_in_keeps_vllms_choice(model_8l, layout_log):
-    assert resolve_kv_cache_layout(
+    assert attn_utils.resolve_kv_cache_layout(
         _config(model_8l, None), CPU_LAYOUTS, [FULL]
     ).name == ("LBHNC")
     example = {**EXAMPLE, "kv_connector": "ExampleConnector"}
     example.pop("kv_connector_module_path")
     example["kv_connector_extra_config"] = {"shared_storage_path": "/tmp/kvmem-x"}
     cfg = _config(model_8l, example)
-    assert resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
+    assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
     assert layout_log == []  # nothing said when nobody asked
 
 
@@ -100,7 +100,7 @@ def test_fallback_logs_one_line_naming_the_condition(
 ):
     cfg = _config(model_8l)
     try:
-        layout = resolve_kv_cache_layout(cfg, layouts, specs)
+        layout = attn_utils.resolve_kv_cache_layout(cfg, layouts, specs)
     except ValueError:
         # vLLM itself refuses some spec mixes on some layout sets; our part is
         # only that we said why we did not pick the contiguous layout.
@@ -117,7 +117,7 @@ def test_explicit_env_layout_wins(model_8l, layout_log, monkeypatch):
     if hasattr(envs, "cache_clear"):
         envs.cache_clear()
     cfg = _config(model_8l)
-    assert resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
+    assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
     assert any("VLLM_KV_CACHE_LAYOUT=LBHNC" in m for m in layout_log)
 
 

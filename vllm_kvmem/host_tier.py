@@ -102,22 +102,61 @@ def prepare_engine_args(engine_args: Any) -> None:
             f"{SIZE_FLAG} {size:,} keeps blocks evicted from the prefix cache, so it "
             f"needs prefix caching: drop --no-enable-prefix-caching."
         )
-    import psutil
-
-    shards = max(1, engine_args.tensor_parallel_size)
-    available = psutil.virtual_memory().available
-    if size * shards > available:
-        raise ValueError(
-            f"{SIZE_FLAG} {size:,} bytes ({size / (1 << 30):.2f} GiB per "
-            f"tensor-parallel shard, x{shards} shards) is more than the host memory "
-            f"available ({available / (1 << 30):.2f} GiB). Use {SIZE_FLAG} "
-            f"{int(available * 0.8 / shards) >> 20}M or less."
-        )
+    _check_host_memory(engine_args, size)
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_connector_module_path=MODULE_PATH,
         kv_role="kv_both",
     )
+
+
+#: Share of the host memory available at startup that the tier may pin on a
+#: node. Pinned pages cannot be swapped out, so the rest stays for the OS, the
+#: API server, the engine processes and the page cache.
+HOST_MEMORY_FRACTION = 0.8
+
+
+def _pools_per_node(engine_args: Any) -> tuple[int, int]:
+    """``(tp, dp_local)``: every tensor-parallel rank of every data-parallel
+    rank on this node pins its own pool of the full size (pipeline stages
+    share one size between them)."""
+    tp = max(1, int(engine_args.tensor_parallel_size or 1))
+    if (
+        engine_args.data_parallel_external_lb
+        or engine_args.data_parallel_rank is not None
+    ):
+        dp_local = 1  # external load balancing: this process is one DP rank
+    else:
+        dp_local = (
+            engine_args.data_parallel_size_local or engine_args.data_parallel_size
+        )
+    return tp, max(1, int(dp_local or 1))
+
+
+def _check_host_memory(engine_args: Any, size: int) -> None:
+    """Refuse a size whose node-wide pinned total would not leave headroom."""
+    import psutil
+
+    tp, dp_local = _pools_per_node(engine_args)
+    pools = tp * dp_local
+    total = size * pools
+    available = psutil.virtual_memory().available
+    limit = int(available * HOST_MEMORY_FRACTION)
+    gib = 1 << 30
+    how = (
+        f"{size / gib:.2f} GiB x {tp} TP x {dp_local} DP-local = "
+        f"{total / gib:.2f} GiB on this node, limit {HOST_MEMORY_FRACTION:.0%} of "
+        f"the {available / gib:.2f} GiB of host memory available = "
+        f"{limit / gib:.2f} GiB"
+    )
+    if total > limit:
+        raise ValueError(
+            f"{SIZE_FLAG} {size:,} bytes does not fit this node: every "
+            f"tensor-parallel rank of every local data-parallel rank holds its own "
+            f"pool, pinned on CUDA so it cannot be swapped ({how}). Use "
+            f"{SIZE_FLAG} {(limit // pools) >> 20}M or less."
+        )
+    logger.info("Host KV tier memory check: %s.", how)
 
 
 # ------------------------------------------------------------ sizing helpers
@@ -493,6 +532,11 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
                     base, tensor, spec.page_size_bytes, cfg.num_blocks
                 )
             )
+        if self._engine is not None:
+            # KV caches registered again (re-initialised): the old pool goes
+            # first, so the host never holds two pools for one rank.
+            self._engine.close()
+            self._engine = None
         pool = HostBlockPool.for_regions(regions, self.num_slots)
         self._engine = BlockCopyEngine(regions, pool, device=base.device)
         logger.info(
@@ -502,6 +546,31 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             pool.slot_bytes,
             pool.nbytes / (1 << 30),
             "pinned" if pool.pinned else "pageable",
+        )
+
+    def shutdown(self) -> None:
+        """Release the host pool when the engine shuts down; idempotent.
+
+        vLLM calls this on the worker's connector from ``Worker.shutdown``
+        (via ``ensure_kv_transfer_shutdown``) and on the scheduler's from
+        ``Scheduler.shutdown``. Without it the pinned pool lives until the
+        garbage collector finds the connector, so a second engine started in
+        the same process would find the first one's memory still pinned.
+        """
+        global _evict_listener
+        if self._role == KVConnectorRole.SCHEDULER:
+            if _evict_listener == self._on_evicted:
+                _evict_listener = None  # stop spilling for a stopped scheduler
+            return
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        nbytes, pinned = engine.pool.nbytes, engine.pool.pinned
+        engine.close()
+        logger.info(
+            "Host KV tier released on this rank: %.2f GiB of %s host memory.",
+            nbytes / (1 << 30),
+            "pinned" if pinned else "pageable",
         )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -329,6 +329,28 @@ def host_slot_bytes(regions: Sequence[KVRegion]) -> int:
 
 # -- host pool ----------------------------------------------------------------
 
+#: Bytes pinned by one ``cudaHostRegister`` call (a multiple of the page size).
+#: Bounded calls stay clear of driver limits on a single registration, and a
+#: failure part way through is undone chunk by chunk.
+HOST_REGISTER_CHUNK_BYTES = 1 << 30
+
+# Pools not yet released or collected; see live_pools().
+_LIVE_POOLS: weakref.WeakSet[HostBlockPool] = weakref.WeakSet()
+
+
+def live_pools() -> list[HostBlockPool]:
+    """Host pools that still hold their memory (not released, not collected).
+
+    Lets tests and leak checks count what an engine left behind."""
+    return list(_LIVE_POOLS)
+
+
+def _cudart() -> Any:
+    """The CUDA runtime bindings: the one seam through which the pool pins
+    memory, so tests can substitute a recording fake on a machine without
+    a GPU."""
+    return torch.cuda.cudart()
+
 
 def _page_aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``nbytes`` of host memory on whole pages that no other allocation shares.
@@ -344,29 +366,83 @@ def _page_aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return owner[start : start + nbytes], owner, span
 
 
-def _register_host_memory(ptr: int, nbytes: int) -> None:
-    """Pin host memory in place with ``cudaHostRegister``.
+def _register_chunks(ptr: int, nbytes: int) -> list[tuple[int, int]]:
+    """``(address, size)`` pieces of ``HOST_REGISTER_CHUNK_BYTES`` (rounded
+    down to whole pages) that cover ``[ptr, ptr + nbytes)`` exactly; the last
+    one is shorter unless the chunk size divides ``nbytes``."""
+    page = mmap.PAGESIZE
+    if ptr % page or nbytes % page:
+        raise ValueError(
+            f"host memory to pin must be whole pages: address {ptr:#x}, "
+            f"{nbytes} bytes, page size {page}"
+        )
+    chunk = max(HOST_REGISTER_CHUNK_BYTES // page, 1) * page
+    return [(ptr + off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
-    Pinning an existing allocation (instead of ``torch.empty(pin_memory=True)``)
-    avoids PyTorch's caching host allocator, which rounds every pinned
-    allocation up to a power of two: a 100 GB pool would take 128 GB.
+
+def _clear_cuda_error(cudart: Any) -> None:
+    """Reset the runtime's last-error slot so a failed (un)register does not
+    surface later as the error of an unrelated CUDA call."""
+    clear = getattr(cudart, "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+
+
+def _register_host_memory(ptr: int, nbytes: int) -> list[int]:
+    """Pin host memory in place with ``cudaHostRegister``, chunk by chunk.
+
+    Returns the address of every registered chunk (what has to be
+    unregistered). Pinning an existing allocation (instead of
+    ``torch.empty(pin_memory=True)``) avoids PyTorch's caching host
+    allocator, which rounds every pinned allocation up to a power of two: a
+    100 GB pool would take 128 GB. If a chunk fails, the chunks before it are
+    unregistered and the error is raised: the pool is pinned whole or not at
+    all, never partly.
     """
-    cudart = torch.cuda.cudart()
-    err = int(cudart.cudaHostRegister(ptr, nbytes, 0))
-    if err != 0:
-        clear = getattr(cudart, "cudaGetLastError", None)
-        if clear is not None:  # the error is not sticky, but do not leave it set
-            clear()
-        raise RuntimeError(f"cudaHostRegister failed with cudaError {err}")
+    cudart = _cudart()
+    chunks = _register_chunks(ptr, nbytes)
+    done: list[int] = []
+    for k, (address, size) in enumerate(chunks):
+        err = int(cudart.cudaHostRegister(address, size, 0))
+        if err == 0:
+            done.append(address)
+            continue
+        _clear_cuda_error(cudart)
+        _unregister_chunks(cudart, done)
+        raise RuntimeError(
+            f"cudaHostRegister failed with cudaError {err} on chunk {k + 1} of "
+            f"{len(chunks)} ({(address - ptr) / 1024**3:.2f} GiB into the pool)"
+        )
+    return done
 
 
-def _unregister_host_memory(ptr: int, owner: torch.Tensor) -> None:
-    """Unpin ``ptr``. ``owner`` is the allocation: the finalizer holds it
-    until this has run, so memory is never freed while still registered."""
+def _unregister_chunks(cudart: Any, addresses: Sequence[int]) -> None:
+    """Unpin registered chunks, last first; a failure is logged and skipped,
+    so one bad chunk does not leave the others pinned."""
+    for address in reversed(addresses):
+        try:
+            err = int(cudart.cudaHostUnregister(address))
+        except Exception:  # pragma: no cover - best effort at teardown
+            logger.debug("cudaHostUnregister(%#x) raised", address, exc_info=True)
+            continue
+        if err != 0:
+            _clear_cuda_error(cudart)
+            logger.warning(
+                "cudaHostUnregister(%#x) failed with cudaError %d", address, err
+            )
+
+
+def _release_host_memory(addresses: list[int], owner: torch.Tensor) -> None:
+    """Unpin a pool's chunks. ``owner`` is the allocation: the finalizer holds
+    it until this has run, so memory is never freed while still registered."""
+    if not addresses:
+        return
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        cudart = _cudart()
     except Exception:  # pragma: no cover - best effort at teardown
-        logger.debug("cudaHostUnregister failed", exc_info=True)
+        logger.debug("no CUDA runtime to unpin the KV host pool", exc_info=True)
+        return
+    _unregister_chunks(cudart, addresses)
 
 
 class HostBlockPool:
@@ -380,6 +456,11 @@ class HostBlockPool:
     ``pin_memory=None`` pins when CUDA is available: only pinned memory lets
     ``cudaMemcpyAsync`` run asynchronously at full PCIe speed. If pinning
     fails the pool stays pageable (correct, slower) and says so once.
+
+    ``release()`` unpins and frees the memory at a known point (engine
+    shutdown); a finalizer does the same if the pool is collected first.
+    Pinned pages cannot be swapped out, so waiting for the garbage collector
+    could leave a second engine in the same process short of memory.
     """
 
     def __init__(
@@ -393,12 +474,13 @@ class HostBlockPool:
         self.num_slots = int(num_slots)
         self.slot_bytes = int(slot_bytes)
         want_pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.pinned = False
         shape = (self.num_slots, self.slot_bytes)
+        # Chunk addresses to unregister; empty while the pool is not pinned.
+        self._pinned_chunks: list[int] = []
         if want_pin:
             flat, owner, span = _page_aligned_empty(self.nbytes)
             try:
-                _register_host_memory(flat.data_ptr(), span)
+                self._pinned_chunks = _register_host_memory(flat.data_ptr(), span)
             except Exception as exc:
                 logger.warning(
                     "Could not pin the %.2f GiB KV host pool (%s); using pageable "
@@ -406,15 +488,18 @@ class HostBlockPool:
                     self.nbytes / 1024**3,
                     exc,
                 )
-            else:
-                self.pinned = True
-                finalizer = weakref.finalize(
-                    self, _unregister_host_memory, flat.data_ptr(), owner
-                )
-                finalizer.atexit = False  # the process exit frees it anyway
             self.tensor = flat.view(shape)
         else:
-            self.tensor = torch.empty(shape, dtype=torch.uint8)
+            owner = torch.empty(shape, dtype=torch.uint8)
+            self.tensor = owner
+        self.pinned = bool(self._pinned_chunks)
+        # Runs at most once, whether called by release() or on collection:
+        # the chunks are never unregistered twice.
+        self._finalizer = weakref.finalize(
+            self, _release_host_memory, self._pinned_chunks, owner
+        )
+        self._finalizer.atexit = False  # the process exit frees it anyway
+        _LIVE_POOLS.add(self)
 
     @classmethod
     def for_regions(
@@ -429,6 +514,24 @@ class HostBlockPool:
     @property
     def nbytes(self) -> int:
         return self.num_slots * self.slot_bytes
+
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        """Unpin (if pinned) and drop the memory now; idempotent.
+
+        The caller must have finished every copy into or out of the pool.
+        Views of ``tensor`` taken before keep the bytes allocated (unpinned)
+        until they go away.
+        """
+        if self.released:
+            return
+        self._finalizer()
+        self.pinned = False
+        self.tensor = torch.empty((0, self.slot_bytes), dtype=torch.uint8)
+        _LIVE_POOLS.discard(self)
 
     def slot(self, slot_id: int) -> torch.Tensor:
         """The bytes of one slot (a view, for inspection and tests)."""
@@ -588,7 +691,8 @@ class BlockCopyEngine:
     load does not overwrite blocks that queued kernels still read. Jobs on
     the engine's stream run in submission order, so a load submitted after a
     save of the same slot sees the saved bytes. Not thread-safe: submit from
-    one thread.
+    one thread. ``close()`` drains the stream and releases the pool, at
+    engine shutdown rather than whenever the garbage collector gets to it.
     """
 
     def __init__(
@@ -626,6 +730,7 @@ class BlockCopyEngine:
         self.num_blocks = min(r.num_blocks for r in self.regions)  # type: ignore[type-var]
         self.max_staging_bytes = max(int(max_staging_bytes), 1)
         self._is_cuda = self.device.type == "cuda"
+        self._closed = False
         self._stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
 
         self._elem_bytes, self._dtype = self._pick_element()
@@ -739,6 +844,25 @@ class BlockCopyEngine:
         blocks, slots = self._check(block_ids, slot_ids, "load")
         return self._submit("load", blocks, slots)
 
+    def close(self) -> None:
+        """Wait for queued copies, then release the host pool; idempotent.
+
+        The copy stream must be drained first: unpinning memory that a DMA
+        still reads or writes is undefined behaviour.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._stream is not None:
+            self._stream.synchronize()
+        # Drop the engine's own view too, or it would keep the bytes alive.
+        self._pool = torch.empty((0, self._slot), dtype=self._dtype)
+        self.pool.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- internals ----------------------------------------------------------
 
     def _check(
@@ -747,6 +871,11 @@ class BlockCopyEngine:
         slot_ids: Sequence[int] | torch.Tensor,
         direction: Direction,
     ) -> tuple[list[int], list[int]]:
+        if self._closed:
+            raise RuntimeError(
+                f"this BlockCopyEngine is closed (its host pool is released); "
+                f"cannot {direction}"
+            )
         blocks = _id_list(block_ids, "block_ids")
         slots = _id_list(slot_ids, "slot_ids")
         if len(blocks) != len(slots):
