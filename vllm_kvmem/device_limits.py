@@ -127,9 +127,8 @@ def staging_reserve_bytes(vllm_config: Any) -> int:
     from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
 
     layout = vllm_config.cache_config.kv_cache_layout
-    block_then_layer = KVCacheLayout.BLHNC.value[
-        :2
-    ]  # B outermost, then L: every layer of a block adjacent
+    # B outermost, then L (BLHNC, BLNHC): every layer of a block is adjacent.
+    block_then_layer = KVCacheLayout.BLHNC.value[:2]
     if layout is not None and KVCacheLayout[layout].value[:2] == block_then_layer:
         return 0
     return DEFAULT_MAX_STAGING_BYTES
