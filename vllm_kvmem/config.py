@@ -9,7 +9,7 @@ ships to the engine core and to every worker process.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -67,6 +67,26 @@ class KVMemConfig(BaseModel):
     """Which host-tier block to drop when the host tier is full: ``lru``
     (least recently spilled or hit) or ``fifo`` (oldest spilled)."""
 
+    kv_host_cache_step_bytes: SizeInt | None = None
+    """Most bytes the host tier copies in the background per engine step, in
+    each direction: loads of host hits, and copies ahead of eviction of the
+    cached blocks next in line to be evicted. Bounds how long one step can be
+    held up by copies (CPU: copies run in the step) or how much copy traffic
+    one step adds (GPU: side streams). Default: 64M on CPU, 512M on GPUs. At
+    least one block moves per step whatever the value."""
+
+    kv_host_cache_late_spill: Literal["copy", "drop"] = "copy"
+    """What happens to a cached block that vLLM evicts before its background
+    copy ran: ``copy`` spills it synchronously before the step's forward pass
+    (the block stays reusable), ``drop`` lets it go (no copy on the critical
+    path; a later hit on it recomputes)."""
+
+    kv_host_cache_verify: bool = False
+    """Debug: checksum every block saved to the host tier and verify it when
+    it is loaded back; a mismatch turns the block into a miss that vLLM
+    recomputes, and is logged. Costs a synchronous pass over every copied
+    byte."""
+
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
         return tuple(cls.model_fields)
@@ -105,10 +125,15 @@ class KVMemConfig(BaseModel):
         except ValidationError as e:
             err = e.errors()[0]
             name = str(err["loc"][0]) if err["loc"] else "?"
+            choices = (
+                get_args(cls.model_fields[name].annotation)
+                if name in (cls.model_fields)
+                else ()
+            )
             expected = {
                 "bool_type": "a boolean (true/false)",
                 "bool_parsing": "a boolean (true/false)",
-                "literal_error": "one of lru, fifo",
+                "literal_error": "one of " + ", ".join(map(str, choices)),
             }.get(err["type"], "a positive integer or a size like 400k or 8G")
             raise ValueError(
                 f"{cls.flag(name)} (additional_config[{ADDITIONAL_CONFIG_KEY!r}]"

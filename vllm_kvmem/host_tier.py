@@ -21,6 +21,9 @@ same copies, saves before loads, in step order.
 
 from __future__ import annotations
 
+import time
+import zlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -107,6 +111,9 @@ def prepare_engine_args(engine_args: Any) -> None:
         kv_connector=CONNECTOR_NAME,
         kv_connector_module_path=MODULE_PATH,
         kv_role="kv_both",
+        # A host block that fails to load (or to verify) is recomputed, never
+        # served and never fatal to the request.
+        kv_load_failure_policy="recompute",
     )
 
 
@@ -224,13 +231,46 @@ def unsupported_reason(kv_cache_config: Any) -> str:
 
 
 @dataclass
+class LoadChunk:
+    """Part of one request's host hits, copied in one step."""
+
+    req_id: str
+    slots: list[int]
+    blocks: list[int]
+    last: bool  # the request's loads are all handed out after this one
+
+
+@dataclass
 class HostTierMetadata(KVConnectorMetadata):
-    """One step's copies: saves run before loads."""
+    """One step's copies, in the order the workers issue them.
 
-    saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
-    loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, block)
+    Before the forward pass (``handle_preemptions``): wait for the background
+    saves of ``fence`` blocks (the step may overwrite them), copy
+    ``evict_saves`` synchronously (blocks evicted this step with no host copy
+    yet), then start ``ahead_saves`` in the background. After the forward is
+    launched (``start_load_kv``): start ``loads``.
+    """
+
+    seq: int = 0
+    fence: list[int] = field(default_factory=list)
+    evict_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
+    ahead_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
+    loads: list[LoadChunk] = field(default_factory=list)
 
 
+@dataclass
+class HostTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: every background save of the steps up to
+    ``saved_through`` has completed on this worker (min over workers)."""
+
+    saved_through: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> HostTierWorkerMeta:
+        theirs = getattr(other, "saved_through", self.saved_through)
+        return HostTierWorkerMeta(min(self.saved_through, theirs))
+
+
+#: Counters summed over an interval (and over workers, for the worker ones).
 COUNTERS = (
     "lookup_tokens",
     "hit_tokens",
@@ -238,32 +278,42 @@ COUNTERS = (
     "blocks_spilled",
     "blocks_loaded",
     "bytes_moved",
+    "bytes_saved_ahead",
+    "bytes_saved_at_eviction",
+    "blocks_evicted_on_host",
+    "blocks_evicted_dropped",
+    "load_errors",
+    "copy_wait_seconds",
 )
+#: Gauges: the value at the end of the interval.
+GAUGES = ("host_bytes_in_use", "load_queue_blocks")
 
 
 @dataclass
 class HostTierStats(KVConnectorStats):
-    """Counters over an interval plus the host bytes in use at its end."""
+    """Counters over an interval plus gauges at its end."""
 
     def reset(self) -> None:
-        self.data = {k: 0 for k in COUNTERS} | {"host_bytes_in_use": 0}
+        self.data = {k: 0 for k in COUNTERS + GAUGES}
 
     def aggregate(self, other: KVConnectorStats) -> HostTierStats:
         if not self.data:
             self.reset()
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
-        self.data["host_bytes_in_use"] = other.data.get(
-            "host_bytes_in_use", self.data.get("host_bytes_in_use", 0)
-        )
+        for k in GAUGES:
+            if k in other.data and (other.data[k] or k not in self.data):
+                self.data[k] = other.data[k]
         return self
 
     def reduce(self) -> dict[str, int | float]:
         looked = self.data.get("lookup_tokens", 0)
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
-        out["host_bytes_in_use"] = self.data.get("host_bytes_in_use", 0)
+        out["copy_wait_seconds"] = round(float(out["copy_wait_seconds"]), 4)
+        for k in GAUGES:
+            out[k] = self.data.get(k, 0)
         out["host_hit_rate"] = (
-            round(self.data.get("hit_tokens", 0) / looked, 4) if (looked) else 0.0
+            round(self.data.get("hit_tokens", 0) / looked, 4) if looked else 0.0
         )
         return out
 
@@ -271,21 +321,38 @@ class HostTierStats(KVConnectorStats):
         return not any(self.data.get(k, 0) for k in COUNTERS)
 
 
+METRIC_DOCS = {
+    "lookup_tokens": "Prompt tokens looked up in the host KV tier.",
+    "hit_tokens": "Prompt tokens found in the host KV tier (loaded).",
+    "miss_tokens": "Prompt tokens looked up in the host KV tier and missed.",
+    "blocks_spilled": "KV blocks copied to the host tier (ahead of or at eviction).",
+    "blocks_loaded": "KV blocks copied back from the host tier on a hit.",
+    "bytes_moved": "Bytes copied between device and host KV tiers.",
+    "bytes_saved_ahead": "Bytes copied to the host tier in the background, before "
+    "the device evicted the blocks.",
+    "bytes_saved_at_eviction": "Bytes copied to the host tier synchronously, when "
+    "the device evicted blocks whose background copy had not run.",
+    "blocks_evicted_on_host": "Device evictions of blocks already held by the host "
+    "tier (nothing copied).",
+    "blocks_evicted_dropped": "Device evictions of blocks not yet on the host that "
+    "were dropped (--kv-host-cache-late-spill drop).",
+    "load_errors": "Host tier blocks that failed to load or verify (recomputed).",
+    "copy_wait_seconds": "Seconds engine steps waited on host tier copies, summed "
+    "over workers.",
+}
+GAUGE_DOCS = {
+    "host_bytes_in_use": "Host memory holding KV blocks in the host tier.",
+    "load_queue_blocks": "Host tier blocks waiting to be loaded or in flight.",
+}
+
+
 class HostTierPromMetrics(KVConnectorPromMetrics):
-    """The tier's counters on vLLM's /metrics, one child per engine."""
+    """The tier's counters and gauges on vLLM's /metrics, one child per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
 
-        docs = {
-            "lookup_tokens": "Prompt tokens looked up in the host KV tier.",
-            "hit_tokens": "Prompt tokens found in the host KV tier (loaded).",
-            "miss_tokens": "Prompt tokens looked up in the host KV tier and missed.",
-            "blocks_spilled": "KV blocks copied to the host tier on device eviction.",
-            "blocks_loaded": "KV blocks copied back from the host tier on a hit.",
-            "bytes_moved": "Bytes copied between device and host KV tiers.",
-        }
         self._counters = {
             k: create_metric_per_engine(
                 self._counter_cls(
@@ -295,24 +362,50 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
                 ),
                 per_engine_labelvalues,
             )
-            for k, doc in docs.items()
+            for k, doc in METRIC_DOCS.items()
         }
-        self._in_use = create_metric_per_engine(
-            self._gauge_cls(
-                name="vllm:kvmem_host_bytes_in_use",
-                documentation="Host memory holding KV blocks in the host tier.",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            ),
-            per_engine_labelvalues,
-        )
+        self._gauges = {
+            k: create_metric_per_engine(
+                self._gauge_cls(
+                    name=f"vllm:kvmem_host_{k.removeprefix('host_')}",
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
+                per_engine_labelvalues,
+            )
+            for k, doc in GAUGE_DOCS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, per_engine in self._counters.items():
             if value := transfer_stats_data.get(k, 0):
                 per_engine[engine_idx].inc(value)
-        if "host_bytes_in_use" in transfer_stats_data:
-            self._in_use[engine_idx].set(transfer_stats_data["host_bytes_in_use"])
+        for k, per_engine in self._gauges.items():
+            if k in transfer_stats_data:
+                per_engine[engine_idx].set(transfer_stats_data[k])
+
+
+#: Default per-step copy budget (each direction). On CPU the copies run inside
+#: the step at memory speed (~8 GB/s here): 64 MiB holds a step up ~8 ms. On a
+#: GPU they run on side streams; 512 MiB is ~10 ms of PCIe 5 traffic.
+DEFAULT_STEP_BYTES = {"cpu": 64 << 20, "gpu": 512 << 20}
+
+
+def default_step_bytes() -> int:
+    from vllm.platforms import current_platform
+
+    return DEFAULT_STEP_BYTES["cpu" if current_platform.is_cpu() else "gpu"]
+
+
+@dataclass
+class _Load:
+    """A request's host hits, handed to the workers a chunk per step."""
+
+    req_id: str
+    pairs: list[tuple[int, int]]  # (slot, block) not yet handed out
+    slots: list[int]  # every slot of the load, pinned until it finishes
+    cancelled: bool = False
 
 
 # ------------------------------------------------------------ the connector
@@ -335,21 +428,39 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             )
         self.enabled = not reason
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.step_bytes = self._cfg.kv_host_cache_step_bytes or default_step_bytes()
+        self.verify = self._cfg.kv_host_cache_verify
         if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler(reason)
+            self._init_scheduler(reason, vllm_config)
         else:
-            self._engine: Any = None
-            self._last_jobs: list[Any] = []
+            self._init_worker()
 
     # ---------------------------------------------------------- scheduler side
 
-    def _init_scheduler(self, reason: str) -> None:
+    def _init_scheduler(self, reason: str, vllm_config: Any) -> None:
         global _evict_listener
-        self._pending_saves: list[tuple[int, int]] = []
-        self._pending_loads: list[tuple[int, int]] = []
+        self._seq = 0
+        self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
+        self._evict_saves: list[tuple[int, int]] = []
         self._matched: dict[str, tuple[int, list[int]]] = {}
-        self._step_pins: list[int] = []  # slots of this step's saves and loads
         self._lookups: dict[str, tuple[int, int]] = {}
+        self._step_pins: list[int] = []  # slots of this step's saves
+        self._load_queue: dict[str, _Load] = {}  # in arrival order
+        self._inflight_loads: dict[str, list[int]] = {}  # req -> pinned slots
+        # Background saves not yet known complete on every worker: block id ->
+        # (block hash, step). The device block must not be overwritten first.
+        self._ahead: dict[int, tuple[Any, int]] = {}
+        self._saved_through = 0
+        self._scan_state: tuple[int, int] | None = None
+        sched = vllm_config.scheduler_config
+        step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 0)
+        slot_bytes = max(1, self.pipeline_slot_bytes)
+        self._budget_blocks = max(1, self.step_bytes // slot_bytes)
+        # Blocks near the head of the free queue worth copying ahead: what the
+        # next two steps could evict, and at least one step's budget.
+        self._scan_window = max(
+            self._budget_blocks, 2 * -(-step_tokens // self.block_size), 64
+        )
         self._stats = HostTierStats()
         self._stats.reset()
         if not self.enabled:
@@ -362,26 +473,41 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         _evict_listener = self._on_evicted
         logger.info(
             "Host KV tier: %d blocks of %d tokens (%.2f GiB per TP shard, %s "
-            "eviction).",
+            "eviction); background copies up to %d MiB per step each way, "
+            "late spills %s.",
             self.num_slots,
             self.block_size,
             self.num_slots * self.pipeline_slot_bytes / (1 << 30),
             self._cfg.kv_host_cache_policy,
+            self.step_bytes >> 20,
+            "copied" if self._cfg.kv_host_cache_late_spill == "copy" else "dropped",
         )
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._pool = gpu_block_pool
+
     def _on_evicted(self, block: Any) -> None:
+        """vLLM hands a free cached block to another request (an eviction)."""
         from vllm.v1.core.kv_cache_utils import get_block_hash
 
         covered = block.block_hash_num_tokens  # prefix tokens up to this block
         if covered is not None and covered % self.block_size:
             return  # a partial block: never looked up by full-block hashes
-        slot = self.index.put(get_block_hash(block.block_hash))
+        key = get_block_hash(block.block_hash)
+        if key in self.index:
+            self.index.put(key)  # refresh its place in the host LRU
+            self._count(blocks_evicted_on_host=1)
+            return  # copied ahead (a fence waits for it if still in flight)
+        if self._cfg.kv_host_cache_late_spill == "drop":
+            self._count(blocks_evicted_dropped=1)
+            return
+        slot = self.index.put(key)
         if slot is not None:
             # Pinned until the workers get this step's saves: a later eviction
             # in the same step must not be given the same slot.
             self.index.pin([slot])
             self._step_pins.append(slot)
-            self._pending_saves.append((block.block_id, slot))
+            self._evict_saves.append((block.block_id, slot))
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -408,7 +534,9 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             return 0, False
         self.index.pin(slots)
         self._matched[request.request_id] = (start, slots)
-        return hit, False
+        # Asynchronous: the request waits for its own blocks in
+        # WAITING_FOR_REMOTE_KVS while every other request keeps running.
+        return hit, True
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -425,41 +553,147 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             return
         start, slots = matched
         n = num_external_tokens // self.block_size
-        block_ids = blocks.get_block_ids()[0][start : start + n]
-        self._pending_loads.extend(zip(slots[:n], block_ids))
-        # Pins of the loads stay until the metadata is built; unused ones go now.
         self.index.unpin(slots[n:])
-        self._step_pins += slots[:n]
+        if n == 0:
+            return
+        block_ids = blocks.get_block_ids()[0][start : start + n]
+        self._load_queue[request.request_id] = _Load(
+            request.request_id, list(zip(slots[:n], block_ids)), slots[:n]
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = HostTierMetadata()
+        self._seq += 1
+        meta = HostTierMetadata(seq=self._seq)
         if not self.enabled:
             return meta
-        meta.saves, self._pending_saves = self._pending_saves, []
-        meta.loads, self._pending_loads = self._pending_loads, []
-        if meta.saves or meta.loads:
-            # Workers must copy before this step's forward pass: saved blocks are
-            # about to be overwritten, loaded ones are about to be read. vLLM
-            # otherwise starts connector loads after the forward launch.
-            scheduler_output.has_sync_kv_loads = True
-        # Once handed to the workers, saves and loads run in step order, so the
-        # slots of this step's loads may be reused by the next step's saves.
+        meta.fence = self._fences()
+        meta.evict_saves, self._evict_saves = self._evict_saves, []
+        meta.ahead_saves = self._pick_ahead_saves()
+        meta.loads = self._next_load_chunks()
+        # The workers issue this step's saves before any later step's copies:
+        # the slots may be reused from the next step on.
         self.index.unpin(self._step_pins)
         self._step_pins = []
-        moved = (len(meta.saves) + len(meta.loads)) * self.pipeline_slot_bytes
-        self.index.counters.loaded_blocks += len(meta.loads)
+        loaded = sum(len(c.blocks) for c in meta.loads)
+        saved = len(meta.evict_saves) + len(meta.ahead_saves)
+        self.index.counters.loaded_blocks += loaded
         self._count(
-            blocks_spilled=len(meta.saves),
-            blocks_loaded=len(meta.loads),
-            bytes_moved=moved,
+            blocks_spilled=saved,
+            blocks_loaded=loaded,
+            bytes_moved=(saved + loaded) * self.pipeline_slot_bytes,
+            bytes_saved_ahead=len(meta.ahead_saves) * self.pipeline_slot_bytes,
+            bytes_saved_at_eviction=len(meta.evict_saves) * self.pipeline_slot_bytes,
         )
         return meta
 
+    def _fences(self) -> list[int]:
+        """Blocks with a background save in flight that this step may
+        overwrite: no longer free, or no longer holding the hash saved."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        if not self._ahead or self._pool is None:
+            return []
+        fence = []
+        for block_id, (key, _) in list(self._ahead.items()):
+            block = self._pool.blocks[block_id]
+            if (
+                block.ref_cnt == 0
+                and block.block_hash is not None
+                and get_block_hash(block.block_hash) == key
+            ):
+                continue
+            fence.append(block_id)
+            del self._ahead[block_id]
+        return fence
+
+    def _pick_ahead_saves(self) -> list[tuple[int, int]]:
+        """Cached blocks next in line for eviction with no host copy yet,
+        copied in the background up to the step budget."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        queue = getattr(self._pool, "free_block_queue", None)
+        if queue is None:
+            return []
+        head = queue.fake_free_list_head.next_free_block
+        state = (queue.num_free_blocks, head.block_id if head else -1)
+        if state == self._scan_state:
+            return []  # same free queue as the last walk, which found it all saved
+        picked: list[tuple[int, int]] = []
+        node, scanned = head, 0
+        while (
+            node is not None
+            and node.block_id >= 0
+            and scanned < self._scan_window
+            and len(picked) < self._budget_blocks
+        ):
+            scanned += 1
+            block_hash = node.block_hash
+            if block_hash is not None and node.block_id not in self._ahead:
+                covered = node.block_hash_num_tokens
+                key = get_block_hash(block_hash)
+                if (covered is None or covered % self.block_size == 0) and (
+                    key not in self.index
+                ):
+                    slot = self.index.put(key)
+                    if slot is None:
+                        break  # every host slot is pinned
+                    self.index.pin([slot])
+                    self._step_pins.append(slot)
+                    picked.append((node.block_id, slot))
+                    self._ahead[node.block_id] = (key, self._seq)
+            node = node.next_free_block
+        self._scan_state = None if len(picked) == self._budget_blocks else state
+        return picked
+
+    def _next_load_chunks(self) -> list[LoadChunk]:
+        """This step's share of the queued loads, oldest request first."""
+        chunks: list[LoadChunk] = []
+        budget = self._budget_blocks
+        for req_id in list(self._load_queue):
+            load = self._load_queue[req_id]
+            if load.cancelled:
+                take: list[tuple[int, int]] = []
+                load.pairs = []
+            else:
+                if budget <= 0:
+                    break
+                take, load.pairs = load.pairs[:budget], load.pairs[budget:]
+                budget -= len(take)
+            last = not load.pairs
+            chunks.append(
+                LoadChunk(req_id, [s for s, _ in take], [b for _, b in take], last)
+            )
+            if last:
+                del self._load_queue[req_id]
+                self._inflight_loads[req_id] = load.slots
+        return chunks
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if not self.enabled:
+            return
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HostTierWorkerMeta) and meta.saved_through > (
+            self._saved_through
+        ):
+            self._saved_through = meta.saved_through
+            done = self._saved_through
+            self._ahead = {b: v for b, v in self._ahead.items() if v[1] > done}
+        for req_id in connector_output.finished_recving or ():
+            slots = self._inflight_loads.pop(req_id, None)
+            if slots is not None:
+                self.index.unpin(slots)
+
     def request_finished(self, request: Any, block_ids: list[int]):
-        self._lookups.pop(request.request_id, None)
-        matched = self._matched.pop(request.request_id, None)
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        matched = self._matched.pop(req_id, None)
         if matched is not None:
             self.index.unpin(matched[1])
+        load = self._load_queue.get(req_id) if self.enabled else None
+        if load is not None:
+            # Aborted while its loads wait: the rest is not copied, and the
+            # workers still report it finished (vLLM frees its blocks then).
+            load.cancelled = True
         return False, None
 
     def reset_cache(self) -> bool | None:
@@ -468,11 +702,15 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         if self._role != KVConnectorRole.SCHEDULER or not self.enabled:
             return None
         self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
-        # Loads already promised to allocated blocks still run (their slots stay
-        # pinned until the workers get them); queued saves are dropped.
-        self._pending_saves = []
-        self._step_pins = [slot for slot, _ in self._pending_loads]
-        self.index.pin(self._step_pins)
+        # Loads already promised to allocated blocks still run, so their slots
+        # stay pinned until they finish; queued saves are dropped.
+        self._evict_saves = []
+        self._step_pins = []
+        self._scan_state = None
+        for load in self._load_queue.values():
+            self.index.pin(load.slots)
+        for slots in self._inflight_loads.values():
+            self.index.pin(slots)
         for _, slots in self._matched.values():
             self.index.pin(slots)
         logger.info("Host KV tier reset: all host blocks dropped.")
@@ -481,16 +719,24 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
     def host_bytes_in_use(self) -> int:
         return len(self.index) * self.pipeline_slot_bytes if self.enabled else 0
 
-    def _count(self, **values: int) -> None:
+    def load_queue_blocks(self) -> int:
+        queued = sum(len(x.pairs) for x in self._load_queue.values())
+        return queued + sum(len(s) for s in self._inflight_loads.values())
+
+    def _count(self, **values: int | float) -> None:
         for k, v in values.items():
             self._stats.data[k] += v
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if not self.enabled or self._role != KVConnectorRole.SCHEDULER:
-            return None  # all counters live on the scheduler side
+        if not self.enabled:
+            return None
         stats, self._stats = self._stats, HostTierStats()
         self._stats.reset()
-        stats.data["host_bytes_in_use"] = self.host_bytes_in_use()
+        if self._role == KVConnectorRole.SCHEDULER:
+            stats.data["host_bytes_in_use"] = self.host_bytes_in_use()
+            stats.data["load_queue_blocks"] = self.load_queue_blocks()
+        elif stats.is_empty():
+            return None
         return stats
 
     @classmethod
@@ -510,6 +756,21 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         )
 
     # ------------------------------------------------------------ worker side
+
+    def _init_worker(self) -> None:
+        self._engine: Any = None
+        self._stats = HostTierStats()
+        self._stats.reset()
+        self._last_seq = 0
+        # In-flight jobs (GPU only; CPU copies are complete when issued).
+        # (job, blocks, slots) of saves still in flight
+        self._save_jobs: list[tuple[Any, list[int], list[int]]] = []
+        self._ahead_jobs: deque[tuple[int, Any]] = deque()  # (step, job)
+        self._loads: dict[str, list[Any]] = {}  # req -> jobs
+        self._load_pairs: dict[str, list[tuple[int, int]]] = {}  # for verify
+        self._reportable: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._checksums: dict[int, int] = {}  # slot -> crc32 (verify mode)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self.enabled:
@@ -545,7 +806,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             self.num_slots,
             pool.slot_bytes,
             pool.nbytes / (1 << 30),
-            "pinned" if pool.pinned else "pageable",
+            "pinned" if pool.pinned else "pageable (pre-faulting in the background)",
         )
 
     def shutdown(self) -> None:
@@ -573,21 +834,135 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             "pinned" if pinned else "pageable",
         )
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def _meta(self) -> HostTierMetadata | None:
+        if self._engine is None or not self.has_connector_metadata():
+            return None
         meta = self._get_connector_metadata()
+        return meta if isinstance(meta, HostTierMetadata) else None
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the step's forward pass: the saves it must not race."""
+        meta = kv_connector_metadata
         if self._engine is None or not isinstance(meta, HostTierMetadata):
             return
-        jobs = []
-        if meta.saves:
-            blocks, slots = zip(*meta.saves)
-            jobs.append(self._engine.save(list(blocks), list(slots)))
-        if meta.loads:
-            slots, blocks = zip(*meta.loads)
-            jobs.append(self._engine.load(list(slots), list(blocks)))
-        # The forward pass may overwrite saved blocks and reads loaded ones: make
-        # the compute stream wait for both (a no-op on CPU, where copies are done).
-        for job in jobs:
+        started = time.perf_counter()
+        self._last_seq = meta.seq
+        self._prune()
+        fenced = set(meta.fence)
+        for job, blocks, _ in self._save_jobs:
+            if fenced.intersection(blocks):
+                job.make_current_stream_wait()  # device-side; no host wait
+        if meta.evict_saves:
+            # These blocks belong to new requests from this step on: the
+            # forward pass must not overwrite them before they are copied.
+            job = self._save(meta.evict_saves)
             job.make_current_stream_wait()
+        if meta.ahead_saves:
+            job = self._save(meta.ahead_saves)
+            if job.event is not None:
+                self._ahead_jobs.append((meta.seq, job))
+        self._stats.data["copy_wait_seconds"] += time.perf_counter() - started
+
+    def _save(self, pairs: list[tuple[int, int]]) -> Any:
+        blocks = [b for b, _ in pairs]
+        slots = [s for _, s in pairs]
+        job = self._engine.save(blocks, slots)
+        if job.event is not None:
+            self._save_jobs.append((job, blocks, slots))
+        if self.verify:
+            job.wait()
+            for slot in slots:
+                self._checksums[slot] = _crc(self._engine.slot_image(slot))
+        return job
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """After the forward pass is launched: this step's share of loads.
+        Their requests are not in the batch, so nothing waits for them."""
+        meta = self._meta()
+        if meta is None or not meta.loads:
+            return
+        started = time.perf_counter()
+        for chunk in meta.loads:
+            jobs = self._loads.setdefault(chunk.req_id, [])
+            if chunk.blocks:
+                after = self._saves_touching(chunk.blocks, chunk.slots)
+                try:
+                    jobs.append(self._engine.load(chunk.slots, chunk.blocks, after))
+                except Exception:
+                    logger.exception(
+                        "Host KV tier: loading %d blocks for request %s failed; "
+                        "they will be recomputed.",
+                        len(chunk.blocks),
+                        chunk.req_id,
+                    )
+                    self._load_errors.update(chunk.blocks)
+                if self.verify:
+                    pairs = self._load_pairs.setdefault(chunk.req_id, [])
+                    pairs += zip(chunk.slots, chunk.blocks)
+            if chunk.last:
+                self._reportable.add(chunk.req_id)
+        self._stats.data["copy_wait_seconds"] += time.perf_counter() - started
+
+    def _saves_touching(self, blocks: list[int], slots: list[int]) -> list[Any]:
+        """In-flight saves a load must follow: from a slot it reads, or of a
+        block it overwrites."""
+        if not self._save_jobs:
+            return []
+        b, s = set(blocks), set(slots)
+        return [
+            job
+            for job, jb, js in self._save_jobs
+            if b.intersection(jb) or s.intersection(js)
+        ]
+
+    def _prune(self) -> None:
+        self._save_jobs = [x for x in self._save_jobs if not x[0].done()]
+        while self._ahead_jobs and self._ahead_jobs[0][1].done():
+            self._ahead_jobs.popleft()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        done = set()
+        for req_id in list(self._reportable):
+            jobs = self._loads.get(req_id, [])
+            if not all(job.done() for job in jobs):
+                continue
+            self._reportable.discard(req_id)
+            self._loads.pop(req_id, None)
+            pairs = self._load_pairs.pop(req_id, [])
+            if self.verify:
+                self._verify(req_id, pairs)
+            done.add(req_id)
+        return None, done or None
+
+    def _verify(self, req_id: str, pairs: list[tuple[int, int]]) -> None:
+        bad = [
+            block
+            for slot, block in pairs
+            if self._checksums.get(slot) != _crc(self._engine.block_image(block))
+        ]
+        if bad:
+            logger.error(
+                "Host KV tier: %d of %d blocks loaded for request %s fail their "
+                "checksum; they will be recomputed.",
+                len(bad),
+                len(pairs),
+                req_id,
+            )
+            self._load_errors.update(bad)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        self._stats.data["load_errors"] += len(errors)
+        return errors
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._engine is None:
+            return None
+        self._prune()
+        pending = self._ahead_jobs[0][0] - 1 if self._ahead_jobs else self._last_seq
+        return HostTierWorkerMeta(saved_through=pending)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -597,3 +972,8 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _crc(image: Any) -> int:
+    """CRC-32 of a host tensor's bytes (integrity checks only)."""
+    return zlib.crc32(image.contiguous().numpy())

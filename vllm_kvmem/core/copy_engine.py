@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import mmap
 import operator
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -445,6 +446,19 @@ def _release_host_memory(addresses: list[int], owner: torch.Tensor) -> None:
     _unregister_chunks(cudart, addresses)
 
 
+def prefault_pages(tensor: torch.Tensor) -> None:
+    """Touch one byte of every page of a fresh host allocation.
+
+    ``torch.empty`` returns lazily mapped memory: the first write to each
+    page faults and zero-fills it, inside whichever copy happens to touch it
+    first. For a host pool that is a save in the middle of a batch paying
+    thousands of page faults; paying them once at startup keeps every later
+    copy at memory speed. (A pinned pool is faulted in by registration.)
+    """
+    flat = tensor.view(-1).view(torch.uint8)
+    flat[:: mmap.PAGESIZE].zero_()
+
+
 class HostBlockPool:
     """Host memory for ``num_slots`` blocks of ``slot_bytes`` each.
 
@@ -452,6 +466,9 @@ class HostBlockPool:
     holds every layer of one block back to back (region by region, layer by
     layer), so a slot is always one contiguous copy target whatever the
     device layout, and consecutive slots are one contiguous range.
+
+    A pageable pool is pre-faulted in a background thread (``prefault``; see
+    :func:`prefault_pages` and :meth:`wait_prefaulted`).
 
     ``pin_memory=None`` pins when CUDA is available: only pinned memory lets
     ``cudaMemcpyAsync`` run asynchronously at full PCIe speed. If pinning
@@ -464,7 +481,11 @@ class HostBlockPool:
     """
 
     def __init__(
-        self, num_slots: int, slot_bytes: int, pin_memory: bool | None = None
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        pin_memory: bool | None = None,
+        prefault: bool = True,
     ) -> None:
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError(
@@ -477,6 +498,7 @@ class HostBlockPool:
         shape = (self.num_slots, self.slot_bytes)
         # Chunk addresses to unregister; empty while the pool is not pinned.
         self._pinned_chunks: list[int] = []
+        self._prefaulter: threading.Thread | None = None
         if want_pin:
             flat, owner, span = _page_aligned_empty(self.nbytes)
             try:
@@ -489,9 +511,13 @@ class HostBlockPool:
                     exc,
                 )
             self.tensor = flat.view(shape)
+            if prefault and not self._pinned_chunks:
+                self._prefault_in_background(flat)
         else:
             owner = torch.empty(shape, dtype=torch.uint8)
             self.tensor = owner
+            if prefault:
+                self._prefault_in_background(owner)
         self.pinned = bool(self._pinned_chunks)
         # Runs at most once, whether called by release() or on collection:
         # the chunks are never unregistered twice.
@@ -507,9 +533,31 @@ class HostBlockPool:
         regions: Sequence[KVRegion],
         num_slots: int,
         pin_memory: bool | None = None,
+        prefault: bool = True,
     ) -> HostBlockPool:
         """A pool whose slots fit one block of ``regions``."""
-        return cls(num_slots, host_slot_bytes(regions), pin_memory=pin_memory)
+        return cls(
+            num_slots,
+            host_slot_bytes(regions),
+            pin_memory=pin_memory,
+            prefault=prefault,
+        )
+
+    def _prefault_in_background(self, memory: torch.Tensor) -> None:
+        # A daemon thread (the fill releases the GIL): the engine finishes
+        # starting meanwhile, and a copy that reaches a page first simply
+        # faults it itself.
+        self._prefaulter = threading.Thread(
+            target=prefault_pages, args=(memory,), name="kvmem-prefault", daemon=True
+        )
+        self._prefaulter.start()
+
+    def wait_prefaulted(self, timeout: float | None = None) -> bool:
+        """Block until the background pre-fault is done; True when it is."""
+        if self._prefaulter is not None:
+            self._prefaulter.join(timeout)
+            return not self._prefaulter.is_alive()
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -685,14 +733,15 @@ class BlockCopyEngine:
     layers of a block adjacent, else ``gather`` (see the module docstring);
     either can be forced (``direct`` only where the layout allows it).
 
-    On CUDA the engine owns one copy stream. Every job first makes the copy
-    stream wait for the compute stream's current position (a device-side
-    dependency, not a host sync), so a save reads finished KV writes and a
-    load does not overwrite blocks that queued kernels still read. Jobs on
-    the engine's stream run in submission order, so a load submitted after a
-    save of the same slot sees the saved bytes. Not thread-safe: submit from
-    one thread. ``close()`` drains the stream and releases the pool, at
-    engine shutdown rather than whenever the garbage collector gets to it.
+    On CUDA the engine owns one copy stream per direction. Every job first
+    makes its stream wait for the compute stream's current position (a
+    device-side dependency, not a host sync), so a save reads finished KV
+    writes and a load does not overwrite blocks that queued kernels still
+    read. Jobs of one direction run in submission order; across directions
+    the caller passes ``after=`` the jobs a copy depends on (a load from a
+    slot whose save is in flight, say). Not thread-safe: submit from one
+    thread. ``close()`` drains both streams and releases the pool, at engine
+    shutdown rather than whenever the garbage collector gets to it.
     """
 
     def __init__(
@@ -731,7 +780,14 @@ class BlockCopyEngine:
         self.max_staging_bytes = max(int(max_staging_bytes), 1)
         self._is_cuda = self.device.type == "cuda"
         self._closed = False
-        self._stream = torch.cuda.Stream(device=self.device) if self._is_cuda else None
+        # One stream per direction: a background save never queues a load
+        # behind it (and the reverse); explicit ``after`` dependencies order
+        # the two where they touch the same slot or block.
+        self._streams: dict[Direction, torch.cuda.Stream] = (
+            {d: torch.cuda.Stream(device=self.device) for d in ("save", "load")}
+            if self._is_cuda
+            else {}
+        )
 
         self._elem_bytes, self._dtype = self._pick_element()
         e = self._elem_bytes
@@ -830,31 +886,54 @@ class BlockCopyEngine:
         self,
         block_ids: Sequence[int] | torch.Tensor,
         slot_ids: Sequence[int] | torch.Tensor,
+        after: Sequence[CopyJob] = (),
     ) -> CopyJob:
-        """Copy device blocks ``block_ids[i]`` into host slots ``slot_ids[i]``."""
+        """Copy device blocks ``block_ids[i]`` into host slots ``slot_ids[i]``.
+
+        The copy starts after the compute stream's current position and after
+        every job in ``after`` (device-side waits; the host is not blocked)."""
         blocks, slots = self._check(block_ids, slot_ids, "save")
-        return self._submit("save", blocks, slots)
+        return self._submit("save", blocks, slots, after)
 
     def load(
         self,
         slot_ids: Sequence[int] | torch.Tensor,
         block_ids: Sequence[int] | torch.Tensor,
+        after: Sequence[CopyJob] = (),
     ) -> CopyJob:
-        """Copy host slots ``slot_ids[i]`` into device blocks ``block_ids[i]``."""
+        """Copy host slots ``slot_ids[i]`` into device blocks ``block_ids[i]``,
+        ordered like :meth:`save`."""
         blocks, slots = self._check(block_ids, slot_ids, "load")
-        return self._submit("load", blocks, slots)
+        return self._submit("load", blocks, slots, after)
+
+    def block_image(self, block_id: int) -> torch.Tensor:
+        """A host copy of device block ``block_id`` laid out like a host slot
+        (synchronous; for integrity checks and tests, not the data path)."""
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(
+                f"block id {block_id} is out of range: the device KV cache has "
+                f"{self.num_blocks} blocks"
+            )
+        parts = [
+            plan.layer_view()[block_id].reshape(-1).to("cpu") for plan in self._plans
+        ]
+        return torch.cat(parts).view(torch.uint8)
+
+    def slot_image(self, slot_id: int) -> torch.Tensor:
+        """The bytes of host slot ``slot_id`` (a view of the pool)."""
+        return self._pool[slot_id].view(torch.uint8)
 
     def close(self) -> None:
         """Wait for queued copies, then release the host pool; idempotent.
 
-        The copy stream must be drained first: unpinning memory that a DMA
+        The copy streams must be drained first: unpinning memory that a DMA
         still reads or writes is undefined behaviour.
         """
         if self._closed:
             return
         self._closed = True
-        if self._stream is not None:
-            self._stream.synchronize()
+        for stream in self._streams.values():
+            stream.synchronize()
         # Drop the engine's own view too, or it would keep the bytes alive.
         self._pool = torch.empty((0, self._slot), dtype=self._dtype)
         self.pool.release()
@@ -906,23 +985,32 @@ class BlockCopyEngine:
         return blocks, slots
 
     def _submit(
-        self, direction: Direction, blocks: list[int], slots: list[int]
+        self,
+        direction: Direction,
+        blocks: list[int],
+        slots: list[int],
+        after: Sequence[CopyJob] = (),
     ) -> CopyJob:
         n = len(blocks)
         if n == 0:
             return CopyJob(direction, 0, 0, 0)
         issue = self._issue_direct if self.strategy == "direct" else self._issue_gather
         keep: list[torch.Tensor] = []
-        if self._stream is None:
+        stream = self._streams.get(direction)
+        if stream is None:
+            # CPU: every earlier job is complete, so ``after`` holds already.
             num_ops = issue(direction, blocks, slots, keep)
             return CopyJob(direction, n, n * self.slot_bytes, num_ops)
         # Device-side ordering only: the copy stream starts where the compute
-        # stream is now, and the host is never blocked.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        # stream is now and after the jobs it depends on; the host is never
+        # blocked.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for job in after:
+            job.make_current_stream_wait(stream)
+        with torch.cuda.stream(stream):
             num_ops = issue(direction, blocks, slots, keep)
             event = torch.cuda.Event()
-            event.record(self._stream)
+            event.record(stream)
         return CopyJob(
             direction, n, n * self.slot_bytes, num_ops, event, self.device, keep
         )
