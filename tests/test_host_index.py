@@ -56,3 +56,15 @@ def test_slots_are_distinct_and_bounded():
 def test_bad_arguments(n, policy, match):
     with pytest.raises(ValueError, match=match):
         HostBlockIndex(n, policy)
+
+
+def test_drop_slot_forgets_the_block_and_frees_the_slot_once_unpinned():
+    index = HostBlockIndex(2)
+    a, b = index.put("a"), index.put("b")
+    index.pin([a])
+    assert index.drop_slot(a) and not index.drop_slot(a)
+    assert "a" not in index and index.match_prefix(["a"]) == []
+    # Still pinned by a pending load: not handed to a new block yet.
+    assert index.put("c") == b  # evicts "b" instead
+    index.unpin([a])
+    assert index.put("d") == a

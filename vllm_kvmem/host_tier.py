@@ -406,6 +406,7 @@ class _Load:
     pairs: list[tuple[int, int]]  # (slot, block) not yet handed out
     slots: list[int]  # every slot of the load, pinned until it finishes
     cancelled: bool = False
+    sent: dict[int, int] = field(default_factory=dict)  # block -> slot handed out
 
 
 # ------------------------------------------------------------ the connector
@@ -429,6 +430,9 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self.enabled = not reason
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.step_bytes = self._cfg.kv_host_cache_step_bytes or default_step_bytes()
+        # Counters since start (the stats objects are handed to vLLM and
+        # replaced every step).
+        self.totals: dict[str, int | float] = dict.fromkeys(COUNTERS, 0)
         self.verify = self._cfg.kv_host_cache_verify
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(reason, vllm_config)
@@ -446,7 +450,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, int]] = {}
         self._step_pins: list[int] = []  # slots of this step's saves
         self._load_queue: dict[str, _Load] = {}  # in arrival order
-        self._inflight_loads: dict[str, list[int]] = {}  # req -> pinned slots
+        self._inflight_loads: dict[str, _Load] = {}  # all handed out, not done
         # Background saves not yet known complete on every worker: block id ->
         # (block hash, step). The device block must not be overwritten first.
         self._ahead: dict[int, tuple[Any, int]] = {}
@@ -659,13 +663,14 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
                     break
                 take, load.pairs = load.pairs[:budget], load.pairs[budget:]
                 budget -= len(take)
+                load.sent.update((b, s) for s, b in take)
             last = not load.pairs
             chunks.append(
                 LoadChunk(req_id, [s for s, _ in take], [b for _, b in take], last)
             )
             if last:
                 del self._load_queue[req_id]
-                self._inflight_loads[req_id] = load.slots
+                self._inflight_loads[req_id] = load
         return chunks
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -678,10 +683,27 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             self._saved_through = meta.saved_through
             done = self._saved_through
             self._ahead = {b: v for b, v in self._ahead.items() if v[1] > done}
+        if bad := connector_output.invalid_block_ids:
+            self._drop_bad_copies(bad)
         for req_id in connector_output.finished_recving or ():
-            slots = self._inflight_loads.pop(req_id, None)
-            if slots is not None:
-                self.index.unpin(slots)
+            load = self._inflight_loads.pop(req_id, None)
+            if load is not None:
+                self.index.unpin(load.slots)
+
+    def _drop_bad_copies(self, block_ids: set[int]) -> None:
+        """Blocks that failed to load: vLLM recomputes them, and their host
+        copies are forgotten, so a retry cannot load the same bad bytes."""
+        loads = list(self._inflight_loads.values()) + list(self._load_queue.values())
+        dropped = 0
+        for load in loads:
+            for block_id in block_ids.intersection(load.sent):
+                dropped += self.index.drop_slot(load.sent[block_id])
+        if dropped:
+            logger.warning(
+                "Host KV tier: dropped %d host blocks that failed to load; their "
+                "tokens are recomputed.",
+                dropped,
+            )
 
     def request_finished(self, request: Any, block_ids: list[int]):
         req_id = request.request_id
@@ -709,8 +731,8 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._scan_state = None
         for load in self._load_queue.values():
             self.index.pin(load.slots)
-        for slots in self._inflight_loads.values():
-            self.index.pin(slots)
+        for load in self._inflight_loads.values():
+            self.index.pin(load.slots)
         for _, slots in self._matched.values():
             self.index.pin(slots)
         logger.info("Host KV tier reset: all host blocks dropped.")
@@ -721,11 +743,12 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
 
     def load_queue_blocks(self) -> int:
         queued = sum(len(x.pairs) for x in self._load_queue.values())
-        return queued + sum(len(s) for s in self._inflight_loads.values())
+        return queued + sum(len(x.slots) for x in self._inflight_loads.values())
 
     def _count(self, **values: int | float) -> None:
         for k, v in values.items():
             self._stats.data[k] += v
+            self.totals[k] += v
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if not self.enabled:
@@ -861,7 +884,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             job = self._save(meta.ahead_saves)
             if job.event is not None:
                 self._ahead_jobs.append((meta.seq, job))
-        self._stats.data["copy_wait_seconds"] += time.perf_counter() - started
+        self._count(copy_wait_seconds=time.perf_counter() - started)
 
     def _save(self, pairs: list[tuple[int, int]]) -> Any:
         blocks = [b for b, _ in pairs]
@@ -901,7 +924,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
                     pairs += zip(chunk.slots, chunk.blocks)
             if chunk.last:
                 self._reportable.add(chunk.req_id)
-        self._stats.data["copy_wait_seconds"] += time.perf_counter() - started
+        self._count(copy_wait_seconds=time.perf_counter() - started)
 
     def _saves_touching(self, blocks: list[int], slots: list[int]) -> list[Any]:
         """In-flight saves a load must follow: from a slot it reads, or of a
@@ -954,7 +977,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
-        self._stats.data["load_errors"] += len(errors)
+        self._count(load_errors=len(errors))
         return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:

@@ -40,6 +40,8 @@ class HostBlockIndex:
         self.num_slots = num_slots
         self.policy = policy
         self._slots: OrderedDict[Hashable, int] = OrderedDict()  # oldest first
+        self._keys: dict[int, Hashable] = {}  # slot -> key
+        self._dropped: set[int] = set()  # dropped while pinned: not yet free
         self._free = list(range(num_slots - 1, -1, -1))
         self._pins: dict[int, int] = {}
         self.counters = IndexCounters()
@@ -79,8 +81,24 @@ class HostBlockIndex:
         if slot is None:
             return None
         self._slots[key] = slot
+        self._keys[slot] = key
         self.counters.spilled_blocks += 1
         return slot
+
+    def drop_slot(self, slot: int) -> bool:
+        """Forget the block held in ``slot`` (its copy is known to be bad), so
+        that no later lookup finds it. The caller must have finished every
+        copy from the slot. Returns whether the slot held a block."""
+        key = self._keys.pop(slot, None)
+        if key is None:
+            return False
+        del self._slots[key]
+        if slot in self._pins:
+            self._dropped.add(slot)  # freed once its last pending load is done
+        else:
+            self._free.append(slot)
+        self.counters.dropped_blocks += 1
+        return True
 
     def pin(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -93,6 +111,9 @@ class HostBlockIndex:
                 self._pins[s] = left
             else:
                 self._pins.pop(s, None)
+                if s in self._dropped:
+                    self._dropped.discard(s)
+                    self._free.append(s)
 
     def _touch(self, key: Hashable) -> None:
         if self.policy == "lru":
@@ -104,6 +125,7 @@ class HostBlockIndex:
         for key, slot in self._slots.items():  # oldest first
             if slot not in self._pins:
                 del self._slots[key]
+                del self._keys[slot]
                 self.counters.dropped_blocks += 1
                 return slot
         return None

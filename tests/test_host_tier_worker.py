@@ -1,0 +1,153 @@
+"""The worker side of the host tier: which copy waits for which, on a GPU.
+
+No GPU here, so the copy engine is replaced by a recorder whose jobs stay in
+flight until the test completes them: exactly what a CUDA stream does and
+what the CPU copy engine (complete on return) can never show. The connector
+code under test is the real one; what is mocked is the GPU (events and
+streams), and it says so. Ordering to prove:
+
+- the compute stream waits for a background save only when the step
+  overwrites that block (a fence), or for this step's evicted-block saves;
+- a load waits for exactly the in-flight saves of its slots and blocks;
+- a request is reported loaded only when all its copies are done, and the
+  scheduler is told a step's background saves are done only when they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from vllm_kvmem.host_tier import (
+    COUNTERS,
+    HostTierMetadata,
+    HostTierWorkerMeta,
+    KVMemHostTierConnector,
+    LoadChunk,
+)
+
+
+@dataclass(eq=False)
+class FakeJob:
+    """A copy in flight on a (fake) CUDA stream."""
+
+    kind: str
+    blocks: list[int]
+    slots: list[int]
+    after: list[FakeJob]
+    finished: bool = False
+    compute_waits: int = 0
+    event: object = field(default_factory=object)
+
+    def done(self) -> bool:
+        return self.finished
+
+    def make_current_stream_wait(self, stream=None) -> None:
+        assert stream is None  # the compute (current) stream
+        self.compute_waits += 1
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.jobs: list[FakeJob] = []
+
+    def save(self, blocks, slots, after=()):
+        self.jobs.append(FakeJob("save", list(blocks), list(slots), list(after)))
+        return self.jobs[-1]
+
+    def load(self, slots, blocks, after=()):
+        self.jobs.append(FakeJob("load", list(blocks), list(slots), list(after)))
+        return self.jobs[-1]
+
+
+@pytest.fixture
+def worker():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    conn = KVMemHostTierConnector.__new__(KVMemHostTierConnector)
+    conn._role = KVConnectorRole.WORKER
+    conn._connector_metadata = None
+    conn.verify = False
+    conn.totals = dict.fromkeys(COUNTERS, 0)
+    conn._init_worker()
+    conn._engine = FakeEngine()
+    return conn
+
+
+def _step(conn, meta):
+    conn.handle_preemptions(meta)
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)
+    _, loaded = conn.get_finished(set())
+    wmeta = conn.build_connector_worker_meta()
+    conn.clear_connector_metadata()
+    return loaded, wmeta.saved_through
+
+
+def test_gpu_copy_ordering(worker):
+    jobs = worker._engine.jobs
+    # Step 1: blocks 5 and 6 copied ahead into slots 0 and 1, in flight.
+    loaded, through = _step(
+        worker, HostTierMetadata(seq=1, ahead_saves=[(5, 0), (6, 1)])
+    )
+    (ahead,) = jobs
+    assert ahead.compute_waits == 0  # the forward pass does not wait for it
+    assert (loaded, through) == (None, 0)  # step 1's saves are not done yet
+
+    # Step 2: block 5 is reused (fence), block 7 evicted with no host copy,
+    # a request loads slot 1 (still being written) into block 9, and another
+    # loads slot 3 into block 7 (whose eviction save starts this step).
+    meta = HostTierMetadata(
+        seq=2,
+        fence=[5],
+        evict_saves=[(7, 2)],
+        loads=[LoadChunk("r1", [1], [9], True), LoadChunk("r2", [3], [7], False)],
+    )
+    loaded, through = _step(worker, meta)
+    evict, load1, load2 = jobs[1:]
+    assert ahead.compute_waits == 1  # fence: forward waits before block 5 is reused
+    assert evict.compute_waits == 1  # and for the evicted block's save
+    assert load1.after == [ahead]  # reads slot 1, written by the ahead save
+    assert load2.after == [evict]  # overwrites block 7, being saved
+    assert (loaded, through) == (None, 0)
+
+    # Step 3: nothing new; the copies finish one by one.
+    load1.finished = True
+    loaded, through = _step(worker, HostTierMetadata(seq=3))
+    assert loaded == {"r1"}  # r1 had its last chunk; r2 did not
+    assert through == 0  # step 1's ahead save is still in flight
+    ahead.finished = evict.finished = load2.finished = True
+    loaded, through = _step(
+        worker, HostTierMetadata(seq=4, loads=[LoadChunk("r2", [], [], True)])
+    )
+    assert loaded == {"r2"} and through == 4
+    # A fence on a block whose save is done waits for nothing.
+    _step(worker, HostTierMetadata(seq=5, fence=[6]))
+    assert ahead.compute_waits == 1
+
+
+def test_worker_meta_takes_the_slowest_worker():
+    a, b = HostTierWorkerMeta(7), HostTierWorkerMeta(4)
+    assert a.aggregate(b).saved_through == 4
+    assert b.aggregate(a).saved_through == 4
+
+
+def test_cpu_engine_jobs_are_done_on_return(worker):
+    import torch
+
+    from vllm_kvmem.core.copy_engine import BlockCopyEngine, HostBlockPool, KVRegion
+
+    kv = torch.arange(16 * 2 * 64, dtype=torch.float32).view(16, 2, 64)
+    region = KVRegion.from_views([kv[:, 0], kv[:, 1]])
+    pool = HostBlockPool.for_regions([region], 4, pin_memory=False)
+    worker._engine = BlockCopyEngine([region], pool)
+    loaded, through = _step(
+        worker,
+        HostTierMetadata(
+            seq=3, ahead_saves=[(2, 0)], loads=[LoadChunk("r", [0], [9], True)]
+        ),
+    )
+    assert (loaded, through) == ({"r"}, 3)
+    assert torch.equal(kv[9], kv[2])
+    assert not worker._save_jobs and not worker._ahead_jobs
