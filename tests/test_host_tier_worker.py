@@ -151,3 +151,21 @@ def test_cpu_engine_jobs_are_done_on_return(worker):
     assert (loaded, through) == ({"r"}, 3)
     assert torch.equal(kv[9], kv[2])
     assert not worker._save_jobs and not worker._ahead_jobs
+
+
+def test_worker_stats_never_reset_the_scheduler_gauges():
+    from vllm_kvmem.host_tier import HostTierStats
+
+    scheduler, worker = HostTierStats(), HostTierStats()
+    scheduler.reset()
+    worker.reset()
+    scheduler.data.update(host_bytes_in_use=4096, load_queue_blocks=3, hit_tokens=8)
+    worker.data["copy_wait_seconds"] = 0.5
+    # vLLM aggregates the workers' stats first, then the scheduler's; a later
+    # interval may carry worker stats only.
+    merged = worker.aggregate(scheduler).reduce()
+    assert merged["host_bytes_in_use"] == 4096 and merged["copy_wait_seconds"] == 0.5
+    later = HostTierStats()
+    later.reset()
+    later.data["copy_wait_seconds"] = 0.1
+    assert "host_bytes_in_use" not in later.reduce()

@@ -72,7 +72,7 @@ class KVMemConfig(BaseModel):
     each direction: loads of host hits, and copies ahead of eviction of the
     cached blocks next in line to be evicted. Bounds how long one step can be
     held up by copies (CPU: copies run in the step) or how much copy traffic
-    one step adds (GPU: side streams). Default: 64M on CPU, 512M on GPUs. At
+    one step adds (GPU: side streams). Default: 128M on CPU, 512M on GPUs. At
     least one block moves per step whatever the value."""
 
     kv_host_cache_late_spill: Literal["copy", "drop"] = "copy"

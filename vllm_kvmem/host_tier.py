@@ -294,7 +294,9 @@ class HostTierStats(KVConnectorStats):
     """Counters over an interval plus gauges at its end."""
 
     def reset(self) -> None:
-        self.data = {k: 0 for k in COUNTERS + GAUGES}
+        # Gauges only from the scheduler side, which owns them: a worker's
+        # stats must not overwrite them with zeros.
+        self.data = dict.fromkeys(COUNTERS, 0)
 
     def aggregate(self, other: KVConnectorStats) -> HostTierStats:
         if not self.data:
@@ -302,7 +304,7 @@ class HostTierStats(KVConnectorStats):
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         for k in GAUGES:
-            if k in other.data and (other.data[k] or k not in self.data):
+            if k in other.data:
                 self.data[k] = other.data[k]
         return self
 
@@ -311,7 +313,8 @@ class HostTierStats(KVConnectorStats):
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
         out["copy_wait_seconds"] = round(float(out["copy_wait_seconds"]), 4)
         for k in GAUGES:
-            out[k] = self.data.get(k, 0)
+            if k in self.data:
+                out[k] = self.data[k]
         out["host_hit_rate"] = (
             round(self.data.get("hit_tokens", 0) / looked, 4) if looked else 0.0
         )
@@ -387,9 +390,10 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
 
 
 #: Default per-step copy budget (each direction). On CPU the copies run inside
-#: the step at memory speed (~8 GB/s here): 64 MiB holds a step up ~8 ms. On a
-#: GPU they run on side streams; 512 MiB is ~10 ms of PCIe 5 traffic.
-DEFAULT_STEP_BYTES = {"cpu": 64 << 20, "gpu": 512 << 20}
+#: the step at memory speed (~8 GB/s here): 128 MiB holds a step up ~16 ms, so
+#: a 2k-token hit of a 128 KiB/token model arrives in two steps. On a GPU they
+#: run on side streams; 512 MiB is ~10 ms of PCIe 5 traffic.
+DEFAULT_STEP_BYTES = {"cpu": 128 << 20, "gpu": 512 << 20}
 
 
 def default_step_bytes() -> int:

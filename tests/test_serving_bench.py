@@ -1,0 +1,129 @@
+"""The pure parts of benchmarks/serving_bench.py: /metrics parsing, summaries,
+tier/none ratios, targets and the output comparison (no server, no vLLM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import import_script
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "serving_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield from import_script(BENCH)
+
+
+METRICS_PAGE = """\
+# HELP vllm:kvmem_host_hit_tokens_total Prompt tokens found in the host KV tier.
+# TYPE vllm:kvmem_host_hit_tokens_total counter
+vllm:kvmem_host_hit_tokens_total{engine="0",model_name="m"} 22400.0
+vllm:kvmem_host_hit_tokens_total{engine="1",model_name="m"} 100.0
+vllm:kvmem_host_hit_tokens_created{engine="0",model_name="m"} 1.79e+09
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 8320.0
+vllm:num_preemptions_total 0.0
+"""
+
+
+def test_parse_metrics_sums_label_sets_and_skips_others(bench):
+    m = bench.parse_metrics(METRICS_PAGE)
+    assert m == {
+        "vllm:kvmem_host_hit_tokens_total": 22500.0,
+        "vllm:prefix_cache_hits_total": 8320.0,
+        "vllm:num_preemptions_total": 0.0,
+    }
+    after = dict(m, **{"vllm:kvmem_host_hit_tokens_total": 30000.0})
+    delta = bench.metric_delta(m, after)
+    assert delta["vllm:kvmem_host_hit_tokens_total"] == 7500.0
+    assert delta["vllm:prefix_cache_hits_total"] == 0.0
+    # A counter missing before (config none has no kvmem counters) is left out.
+    assert bench.metric_delta({}, after) == {}
+
+
+def test_levels_reuse_fraction(bench):
+    levels = bench.LEVELS
+    assert levels["unique"].num_prefixes(96) == 96
+    assert levels["unique"].reuse(96) == 0.0
+    assert levels["partial"].num_prefixes(96) == 48
+    assert levels["partial"].reuse(96) == pytest.approx(0.5)
+    assert levels["high"].num_prefixes(96) == 16  # the issue's 16 x 384
+    assert levels["high"].reuse(96) == pytest.approx(5 / 6)
+
+
+def test_first_divergence_and_compare(bench):
+    assert bench.first_divergence("abc", "abc") is None
+    assert bench.first_divergence("abc", "abd") == 2
+    assert bench.first_divergence("ab", "abc") == 2
+    res = bench.compare_texts(
+        ["same", "one two three", None], ["same", "one two four", "x"], str.split
+    )
+    assert res["compared"] == 3 and res["matching"] == 1
+    assert res["mismatches"][0] == {"prompt": 1, "char": 8, "token": 2}
+    assert res["mismatches"][1]["prompt"] == 2
+
+
+def _run(level, config, rep, req_s, itl99, hits=None):
+    s = {f: 1.0 for f in ("out_tok_per_s", "itl_p50_ms", "ttft_p50_ms", "ttft_p99_ms")}
+    s.update(req_per_s=req_s, itl_p99_ms=itl99, host_hit_tokens=hits)
+    return {"level": level, "config": config, "repeat": rep, "summary": s}
+
+
+def test_summary_pairs_repeats_and_targets(bench):
+    runs = [
+        _run("unique", "none", 0, 10.0, 20.0),
+        _run("unique", "tier", 0, 9.9, 21.0, 0),
+        _run("unique", "none", 1, 8.0, 20.0),
+        _run("unique", "tier", 1, 7.6, 30.0, 0),  # 0.95, 1.5
+        _run("unique", "none", 2, 10.0, 20.0),
+        _run("unique", "tier", 2, 10.0, 20.0, 0),
+        _run("high", "none", 0, 5.0, 10.0),
+        _run("high", "tier", 0, 6.0, 11.0, 900),
+        {"level": "high", "config": "none", "repeat": 1, "summary": None},  # failed
+        _run("high", "tier", 1, 1.0, 99.0, 900),  # unpaired: not in the ratios
+    ]
+    lv = bench.summarize_level(runs, "unique")
+    assert lv["paired_repeats"] == 3
+    assert lv["configs"]["none"]["req_per_s"]["median"] == 10.0
+    assert lv["configs"]["none"]["req_per_s"]["min"] == 8.0
+    tp = lv["ratios"]["req_per_s"]
+    assert tp["median"] == pytest.approx(0.99)
+    assert (tp["min"], tp["max"]) == (pytest.approx(0.95), pytest.approx(1.0))
+    assert lv["ratios"]["itl_p99_ms"]["median"] == pytest.approx(1.05)
+    high = bench.summarize_level(runs, "high")
+    assert high["paired_repeats"] == 1
+    assert high["ratios"]["req_per_s"]["values"] == [pytest.approx(1.2)]
+    assert high["configs"]["tier"]["host_hit_tokens"]["median"] == 900
+
+    targets = bench.evaluate_targets([lv, high], {"unique": 0.0, "high": 5 / 6})
+    assert len(targets) == 4
+    assert all(t["passed"] for t in targets)  # 0.99 >= 0.98; 1.2 >= 1.0; ITL 1.05, 1.1
+    worse = bench.evaluate_targets(
+        [bench.summarize_level([*runs[:2], *runs[2:4]], "unique")], {"unique": 0.0}
+    )
+    assert [t["passed"] for t in worse] == [False, False]  # 0.97 < 0.98; 1.275 > 1.2
+
+
+def test_correctness_counts_tier_vs_none_and_none_vs_none(bench):
+    def r(config, rep, texts):
+        return {
+            "level": "high",
+            "config": config,
+            "repeat": rep,
+            "summary": {},
+            "texts": texts,
+        }
+
+    runs = [
+        r("none", 0, ["a b", "c d"]),
+        r("tier", 0, ["a b", "c e"]),
+        r("none", 1, ["a b", "c d"]),
+        r("tier", 1, ["a b", "c d"]),
+    ]
+    c = bench.correctness(runs, str.split)["high"]
+    assert (c["tier_vs_none_matching"], c["tier_vs_none_compared"]) == (3, 4)
+    assert (c["none_vs_none_matching"], c["none_vs_none_compared"]) == (2, 2)
+    assert c["tier_vs_none_first_diverging_token_min"] == 1
+    assert c["none_vs_none_first_diverging_token_min"] is None
