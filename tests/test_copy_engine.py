@@ -490,3 +490,21 @@ def test_pageable_pool_is_prefaulted_so_copies_do_not_fault():
     # page without transparent huge pages); pre-faulted, almost never.
     assert cold_faults >= nbytes // (2 << 20)
     assert warm_faults <= cold_faults // 8
+
+
+def test_background_prefault_never_overwrites_what_copies_wrote():
+    """The pool is usable at once: bytes written while the background
+    pre-fault runs survive it (a pre-fault that wrote zeros to each page
+    raced with the first saves and corrupted them)."""
+    from vllm_kvmem.core.copy_engine import MADV_POPULATE_WRITE, _populate_write
+
+    assert MADV_POPULATE_WRITE == 23
+    pool = HostBlockPool(256, 1 << 20, pin_memory=False)
+    flat = pool.tensor.view(-1)
+    flat.fill_(0xAB)  # races with the pre-fault thread started above
+    assert pool.wait_prefaulted(timeout=60)
+    assert bool((flat[:: mmap.PAGESIZE] == 0xAB).all())
+    assert bool((flat == 0xAB).all())
+    # Populating an already-written range keeps its bytes too.
+    assert _populate_write(flat) in (True, False)
+    assert bool((flat[:: mmap.PAGESIZE] == 0xAB).all())

@@ -32,6 +32,7 @@ the same API runs the copies synchronously.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import operator
@@ -446,17 +447,50 @@ def _release_host_memory(addresses: list[int], owner: torch.Tensor) -> None:
     _unregister_chunks(cudart, addresses)
 
 
+#: ``madvise`` advice that faults pages in writable without touching their
+#: contents (Linux 5.14+); ``mmap`` in Python 3.11 does not name it.
+MADV_POPULATE_WRITE = 23
+
+
+def _populate_write(tensor: torch.Tensor) -> bool:
+    """Fault in the whole pages of ``tensor`` without writing to them.
+
+    Safe while other threads write the same memory (the kernel only maps the
+    pages). False where the kernel or libc cannot (older than Linux 5.14,
+    not Linux): the caller then has to fault the pages in some other way.
+    """
+    page = mmap.PAGESIZE
+    ptr = tensor.data_ptr()
+    start = -(-ptr // page) * page
+    end = (ptr + tensor.numel() * tensor.element_size()) // page * page
+    if end <= start:
+        return True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise(start, end - start, MADV_POPULATE_WRITE) == 0
+
+
 def prefault_pages(tensor: torch.Tensor) -> None:
-    """Touch one byte of every page of a fresh host allocation.
+    """Fault in every page of a fresh host allocation.
 
     ``torch.empty`` returns lazily mapped memory: the first write to each
     page faults and zero-fills it, inside whichever copy happens to touch it
     first. For a host pool that is a save in the middle of a batch paying
     thousands of page faults; paying them once at startup keeps every later
     copy at memory speed. (A pinned pool is faulted in by registration.)
+
+    Writes nothing where the kernel can populate pages for us, so it may run
+    while copies already use the memory; otherwise it writes a zero to each
+    page and must only run before anything else uses ``tensor``.
     """
-    flat = tensor.view(-1).view(torch.uint8)
-    flat[:: mmap.PAGESIZE].zero_()
+    if not _populate_write(tensor):
+        flat = tensor.view(-1).view(torch.uint8)
+        flat[:: mmap.PAGESIZE].zero_()
 
 
 class HostBlockPool:
@@ -544,11 +578,19 @@ class HostBlockPool:
         )
 
     def _prefault_in_background(self, memory: torch.Tensor) -> None:
-        # A daemon thread (the fill releases the GIL): the engine finishes
+        # A daemon thread (madvise releases the GIL): the engine finishes
         # starting meanwhile, and a copy that reaches a page first simply
-        # faults it itself.
+        # faults it itself. The background fault-in must never write, or it
+        # would race with those copies and zero their bytes: where the kernel
+        # cannot populate without writing, pre-fault here, before anyone
+        # else can see the pool.
+        head = memory.view(-1)[: mmap.PAGESIZE * 2]
+        if not _populate_write(head):
+            logger.debug("madvise(MADV_POPULATE_WRITE) unavailable; pre-faulting now")
+            prefault_pages(memory)
+            return
         self._prefaulter = threading.Thread(
-            target=prefault_pages, args=(memory,), name="kvmem-prefault", daemon=True
+            target=_populate_write, args=(memory,), name="kvmem-prefault", daemon=True
         )
         self._prefaulter.start()
 
