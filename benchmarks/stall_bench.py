@@ -200,8 +200,10 @@ def server_args(config: str, model: Path, port: int) -> list[str]:
         "--enforce-eager", "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--seed", "0",
     ]  # fmt: skip
-    if config == "tier":
+    if config.startswith("tier"):
         args += ["--kv-host-cache-bytes", HOST_KV]
+    if "@" in config:  # tier@SIZE: another per-step copy budget
+        args += ["--kv-host-cache-step-bytes", config.split("@", 1)[1]]
     return args
 
 
@@ -576,7 +578,7 @@ SUMMARY_KEYS = (
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per config and metric: median, min, max over the runs that finished."""
     out: dict[str, dict[str, Any]] = {}
-    for config in CONFIGS:
+    for config in dict.fromkeys(r["config"] for r in runs):
         sums = [r["summary"] for r in runs if r["config"] == config and r["summary"]]
         if not sums:
             continue
@@ -763,11 +765,23 @@ def ensure_model(cache: Path, shape: ModelShape) -> Path:
 
 
 def _configs(s: str) -> list[str]:
+    from vllm_kvmem.config import parse_size
+
     names = [x.strip() for x in s.split(",") if x.strip()]
-    bad = [n for n in names if n not in CONFIGS]
+    bad = []
+    for n in names:
+        base, _, size = n.partition("@")
+        try:
+            ok = n in CONFIGS or (base == "tier" and size and parse_size(size) > 0)
+        except ValueError:
+            ok = False
+        if not ok:
+            bad.append(n)
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown configuration(s) {bad}; use a subset of {','.join(CONFIGS)}"
+            f"unknown configuration(s) {bad}; use a subset of {','.join(CONFIGS)}, "
+            "or tier@SIZE for the tier with --kv-host-cache-step-bytes SIZE "
+            "(e.g. tier@128M)"
         )
     return names
 
@@ -790,7 +804,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--configs",
         type=_configs,
         default=list(CONFIGS),
-        help="comma-separated subset of none,tier (default: both, interleaved)",
+        help="comma-separated subset of none,tier (default: both, interleaved); "
+        "tier@SIZE adds the tier with --kv-host-cache-step-bytes SIZE",
     )
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per config (default 3)"

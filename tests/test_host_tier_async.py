@@ -6,6 +6,8 @@ the tests can watch every step's metadata and counters):
 
 - a request with host hits waits in ``WAITING_FOR_REMOTE_KVS`` for its own
   blocks, a bounded number per step, while another request keeps decoding;
+- a hit that fits what is left of the step's budget loads before that
+  step's forward and runs in the same step; queued loads come first;
 - cached blocks are copied to the host ahead of eviction, once, and a later
   eviction of them moves nothing;
 - a block evicted before its copy ran is spilled late, or dropped;
@@ -96,6 +98,41 @@ def test_host_hit_loads_in_bounded_chunks_while_others_decode(
     assert a_tokens == list(range(2, len(a_tokens) + 2))
     assert b_out.num_cached_tokens == 7 * 128
     assert b_out.outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert tier.index.pinned_slots == 0 and not tier._inflight_loads
+
+
+def test_hit_within_the_step_budget_runs_in_the_same_step(
+    model_8l, in_process, monkeypatch
+):
+    from vllm.v1.request import RequestStatus
+
+    llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=8 * BLOCK_BYTES)
+    docs = _workload()["prompts"]
+    first = llm.generate(docs, _params(4), use_tqdm=False)  # fills the host tier
+    metas = _record_metas(monkeypatch, sched)
+    engine = llm.llm_engine
+    engine.add_request("B1", docs[0], _params(4))
+    engine.add_request("B2", docs[1], _params(4))
+    outs = {out.request_id: out for out in engine.step()}
+    # B1's seven blocks fit the budget of eight: loaded before this step's
+    # forward, and B1 has its first token from this very step. B2 gets the
+    # one block left, asynchronously, and waits for the rest.
+    b1, b2 = metas[0].loads
+    assert (b1.sync, len(b1.blocks), b1.last) == (True, 7, True)
+    assert (b2.sync, len(b2.blocks), b2.last) == (False, 1, False)
+    assert len(outs["B1"].outputs[0].token_ids) == 1
+    (b2_id,) = _internal_ids(sched, "B2")
+    assert sched.requests[b2_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert tier._load_queue[b2_id].pairs  # six blocks still queued
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    # Queued loads come first: B2's rest is the next step's load, alone.
+    assert [(c.sync, len(c.blocks)) for c in metas[1].loads] == [(False, 6)]
+    assert all(sum(len(c.blocks) for c in m.loads) <= 8 for m in metas)
+    for name, doc in (("B1", first[0]), ("B2", first[1])):
+        assert outs[name].num_cached_tokens == 7 * 128
+        assert outs[name].outputs[0].token_ids == doc.outputs[0].token_ids
     assert tier.index.pinned_slots == 0 and not tier._inflight_loads
 
 

@@ -9,6 +9,9 @@ streams), and it says so. Ordering to prove:
 - the compute stream waits for a background save only when the step
   overwrites that block (a fence), or for this step's evicted-block saves;
 - a load waits for exactly the in-flight saves of its slots and blocks;
+- the forward waits for a synchronous load (its request is in the batch),
+  never for an asynchronous one, and a save into a slot waits for the load
+  still reading it;
 - a request is reported loaded only when all its copies are done, and the
   scheduler is told a step's background saves are done only when they are.
 """
@@ -125,6 +128,30 @@ def test_gpu_copy_ordering(worker):
     # A fence on a block whose save is done waits for nothing.
     _step(worker, HostTierMetadata(seq=5, fence=[6]))
     assert ahead.compute_waits == 1
+
+
+def test_sync_loads_hold_the_forward_and_later_saves_of_their_slots(worker):
+    jobs = worker._engine.jobs
+    meta = HostTierMetadata(
+        seq=1,
+        loads=[
+            LoadChunk("now", [0, 1], [4, 5], True, sync=True),
+            LoadChunk("later", [2], [6], True),
+        ],
+    )
+    loaded, _ = _step(worker, meta)
+    sync_load, async_load = jobs
+    assert sync_load.compute_waits == 1  # the forward reads blocks 4 and 5
+    assert async_load.compute_waits == 0
+    assert loaded is None  # a sync load is never reported: vLLM did not ask
+    # Next step slot 1 is reused for a save while the sync load still reads
+    # it, and slot 7 (no load) for another: only the first waits.
+    _step(worker, HostTierMetadata(seq=2, ahead_saves=[(9, 1)]))
+    _step(worker, HostTierMetadata(seq=3, ahead_saves=[(8, 7)]))
+    assert jobs[2].after == [sync_load] and jobs[3].after == []
+    sync_load.finished = async_load.finished = True
+    loaded, _ = _step(worker, HostTierMetadata(seq=4))
+    assert loaded == {"later"} and not worker._load_jobs
 
 
 def test_worker_meta_takes_the_slowest_worker():

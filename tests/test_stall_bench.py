@@ -94,3 +94,23 @@ def test_summary_aggregate_and_targets(bench):
     agg["tier"]["b_cached_tokens"]["min"] = 416
     assert not bench.evaluate_targets(agg, 2048)[2]["passed"]
     assert bench.evaluate_targets({"none": agg["none"]}, 2048) == []
+
+
+def test_tier_budget_variants(bench, tmp_path):
+    import argparse
+
+    assert bench._configs("none,tier@256M") == ["none", "tier@256M"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"tier@SIZE.*tier@128M"):
+        bench._configs("tier@lots")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\['tire'\]"):
+        bench._configs("tire")
+    args = bench.server_args("tier@256M", tmp_path, 8000)
+    assert args[-4:] == [
+        "--kv-host-cache-bytes",
+        "3G",
+        "--kv-host-cache-step-bytes",
+        "256M",
+    ]
+    assert "--kv-host-cache-bytes" not in bench.server_args("none", tmp_path, 8000)
+    runs = [{"config": c, "summary": None} for c in ("tier@256M", "none")]
+    assert bench.aggregate(runs) == {}  # no finished run, nothing to aggregate

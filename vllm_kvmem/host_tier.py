@@ -238,6 +238,9 @@ class LoadChunk:
     slots: list[int]
     blocks: list[int]
     last: bool  # the request's loads are all handed out after this one
+    # Loaded before this step's forward, which reads the blocks (the request
+    # is in this step's batch); else in the background, reported when done.
+    sync: bool = False
 
 
 @dataclass
@@ -247,8 +250,9 @@ class HostTierMetadata(KVConnectorMetadata):
     Before the forward pass (``handle_preemptions``): wait for the background
     saves of ``fence`` blocks (the step may overwrite them), copy
     ``evict_saves`` synchronously (blocks evicted this step with no host copy
-    yet), then start ``ahead_saves`` in the background. After the forward is
-    launched (``start_load_kv``): start ``loads``.
+    yet), then start ``ahead_saves`` in the background. Then
+    (``start_load_kv``, before the forward when any load is ``sync``, after
+    its launch otherwise): start ``loads``.
     """
 
     seq: int = 0
@@ -450,7 +454,10 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._seq = 0
         self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
         self._evict_saves: list[tuple[int, int]] = []
-        self._matched: dict[str, tuple[int, list[int]]] = {}
+        # req -> (first block, slots, load synchronously), until allocated
+        self._matched: dict[str, tuple[int, list[int], bool]] = {}
+        self._sync_loads: list[LoadChunk] = []  # this step's
+        self._sync_blocks = 0
         self._lookups: dict[str, tuple[int, int]] = {}
         self._step_pins: list[int] = []  # slots of this step's saves
         self._load_queue: dict[str, _Load] = {}  # in arrival order
@@ -541,10 +548,22 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         if not slots:
             return 0, False
         self.index.pin(slots)
-        self._matched[request.request_id] = (start, slots)
-        # Asynchronous: the request waits for its own blocks in
+        # A hit that fits what is left of this step's load budget is loaded
+        # before this step's forward and the request runs in this very step:
+        # the other requests wait for at most one budget of copies either
+        # way, and the request saves the two steps of the asynchronous path.
+        sync = len(slots) <= self._sync_room()
+        self._matched[request.request_id] = (start, slots, sync)
+        # Otherwise asynchronous: the request waits for its own blocks in
         # WAITING_FOR_REMOTE_KVS while every other request keeps running.
-        return hit, True
+        return hit, not sync
+
+    def _sync_room(self) -> int:
+        """Blocks of this step's load budget not yet promised: queued
+        asynchronous loads come first, so they are never starved."""
+        queued = sum(len(x.pairs) for x in self._load_queue.values() if not x.cancelled)
+        budget = self._budget_blocks
+        return budget - self._sync_blocks - min(queued, budget)
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -559,12 +578,21 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         matched = self._matched.pop(request.request_id, None)
         if matched is None:
             return
-        start, slots = matched
+        start, slots, sync = matched
         n = num_external_tokens // self.block_size
         self.index.unpin(slots[n:])
         if n == 0:
             return
         block_ids = blocks.get_block_ids()[0][start : start + n]
+        if sync:
+            # Pinned until the workers get this step's copies; a save into a
+            # slot reused later waits for the load on the workers.
+            self._sync_loads.append(
+                LoadChunk(request.request_id, slots[:n], block_ids, True, sync=True)
+            )
+            self._sync_blocks += n
+            self._step_pins += slots[:n]
+            return
         self._load_queue[request.request_id] = _Load(
             request.request_id, list(zip(slots[:n], block_ids)), slots[:n]
         )
@@ -577,7 +605,10 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         meta.fence = self._fences()
         meta.evict_saves, self._evict_saves = self._evict_saves, []
         meta.ahead_saves = self._pick_ahead_saves()
-        meta.loads = self._next_load_chunks()
+        meta.loads = self._sync_loads + self._next_load_chunks(
+            self._budget_blocks - self._sync_blocks
+        )
+        self._sync_loads, self._sync_blocks = [], 0
         # The workers issue this step's saves before any later step's copies:
         # the slots may be reused from the next step on.
         self.index.unpin(self._step_pins)
@@ -653,10 +684,10 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._scan_state = None if len(picked) == self._budget_blocks else state
         return picked
 
-    def _next_load_chunks(self) -> list[LoadChunk]:
-        """This step's share of the queued loads, oldest request first."""
+    def _next_load_chunks(self, budget: int) -> list[LoadChunk]:
+        """This step's share of the queued loads (up to ``budget`` blocks),
+        oldest request first."""
         chunks: list[LoadChunk] = []
-        budget = self._budget_blocks
         for req_id in list(self._load_queue):
             load = self._load_queue[req_id]
             if load.cancelled:
@@ -737,8 +768,11 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
             self.index.pin(load.slots)
         for load in self._inflight_loads.values():
             self.index.pin(load.slots)
-        for _, slots in self._matched.values():
+        for _, slots, _ in self._matched.values():
             self.index.pin(slots)
+        for chunk in self._sync_loads:  # this step's: unpinned once sent
+            self.index.pin(chunk.slots)
+            self._step_pins += chunk.slots
         logger.info("Host KV tier reset: all host blocks dropped.")
         return True
 
@@ -794,6 +828,9 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self._save_jobs: list[tuple[Any, list[int], list[int]]] = []
         self._ahead_jobs: deque[tuple[int, Any]] = deque()  # (step, job)
         self._loads: dict[str, list[Any]] = {}  # req -> jobs
+        # (job, slots) of loads still in flight: a save into a slot waits
+        # for the load reading it.
+        self._load_jobs: list[tuple[Any, list[int]]] = []
         self._load_pairs: dict[str, list[tuple[int, int]]] = {}  # for verify
         self._reportable: set[str] = set()
         self._load_errors: set[int] = set()
@@ -893,7 +930,9 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
     def _save(self, pairs: list[tuple[int, int]]) -> Any:
         blocks = [b for b, _ in pairs]
         slots = [s for _, s in pairs]
-        job = self._engine.save(blocks, slots)
+        taken = set(slots)
+        after = [j for j, js in self._load_jobs if taken.intersection(js)]
+        job = self._engine.save(blocks, slots, after)
         if job.event is not None:
             self._save_jobs.append((job, blocks, slots))
         if self.verify:
@@ -903,32 +942,52 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         return job
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """After the forward pass is launched: this step's share of loads.
-        Their requests are not in the batch, so nothing waits for them."""
+        """This step's loads. vLLM calls this before the forward pass when the
+        step has synchronous loads (their requests are in the batch: the
+        forward waits for those copies only), after its launch otherwise
+        (requests waiting in WAITING_FOR_REMOTE_KVS: nothing waits)."""
         meta = self._meta()
         if meta is None or not meta.loads:
             return
         started = time.perf_counter()
         for chunk in meta.loads:
-            jobs = self._loads.setdefault(chunk.req_id, [])
-            if chunk.blocks:
-                after = self._saves_touching(chunk.blocks, chunk.slots)
-                try:
-                    jobs.append(self._engine.load(chunk.slots, chunk.blocks, after))
-                except Exception:
-                    logger.exception(
-                        "Host KV tier: loading %d blocks for request %s failed; "
-                        "they will be recomputed.",
-                        len(chunk.blocks),
-                        chunk.req_id,
-                    )
-                    self._load_errors.update(chunk.blocks)
+            job = self._load(chunk) if chunk.blocks else None
+            if chunk.sync:
+                if job is not None:
+                    job.make_current_stream_wait()  # device-side; no host wait
                 if self.verify:
-                    pairs = self._load_pairs.setdefault(chunk.req_id, [])
-                    pairs += zip(chunk.slots, chunk.blocks)
+                    if job is not None:
+                        job.wait()
+                    self._verify(chunk.req_id, list(zip(chunk.slots, chunk.blocks)))
+                continue
+            jobs = self._loads.setdefault(chunk.req_id, [])
+            if job is not None:
+                jobs.append(job)
+            if self.verify:
+                pairs = self._load_pairs.setdefault(chunk.req_id, [])
+                pairs += zip(chunk.slots, chunk.blocks)
             if chunk.last:
                 self._reportable.add(chunk.req_id)
         self._count(copy_wait_seconds=time.perf_counter() - started)
+
+    def _load(self, chunk: LoadChunk) -> Any:
+        """Start one chunk's copies after the saves they depend on; a failure
+        marks its blocks for recompute (None)."""
+        after = self._saves_touching(chunk.blocks, chunk.slots)
+        try:
+            job = self._engine.load(chunk.slots, chunk.blocks, after)
+        except Exception:
+            logger.exception(
+                "Host KV tier: loading %d blocks for request %s failed; they will "
+                "be recomputed.",
+                len(chunk.blocks),
+                chunk.req_id,
+            )
+            self._load_errors.update(chunk.blocks)
+            return None
+        if job.event is not None:
+            self._load_jobs.append((job, chunk.slots))
+        return job
 
     def _saves_touching(self, blocks: list[int], slots: list[int]) -> list[Any]:
         """In-flight saves a load must follow: from a slot it reads, or of a
@@ -944,6 +1003,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
 
     def _prune(self) -> None:
         self._save_jobs = [x for x in self._save_jobs if not x[0].done()]
+        self._load_jobs = [x for x in self._load_jobs if not x[0].done()]
         while self._ahead_jobs and self._ahead_jobs[0][1].done():
             self._ahead_jobs.popleft()
 
