@@ -202,8 +202,11 @@ def server_args(config: str, model: Path, port: int) -> list[str]:
     ]  # fmt: skip
     if config.startswith("tier"):
         args += ["--kv-host-cache-bytes", HOST_KV]
-    if "@" in config:  # tier@SIZE: another per-step copy budget
-        args += ["--kv-host-cache-step-bytes", config.split("@", 1)[1]]
+    name, _, late = config.partition("+")
+    if "@" in name:  # tier@SIZE: another per-step copy budget
+        args += ["--kv-host-cache-step-bytes", name.split("@", 1)[1]]
+    if late:  # tier+drop: another late-spill policy
+        args += ["--kv-host-cache-late-spill", late]
     return args
 
 
@@ -770,9 +773,15 @@ def _configs(s: str) -> list[str]:
     names = [x.strip() for x in s.split(",") if x.strip()]
     bad = []
     for n in names:
-        base, _, size = n.partition("@")
+        name, _, late = n.partition("+")
+        base, _, size = name.partition("@")
         try:
-            ok = n in CONFIGS or (base == "tier" and size and parse_size(size) > 0)
+            ok = (n in CONFIGS) or (
+                base == "tier"
+                and (not size or parse_size(size) > 0)
+                and late in ("", "copy", "drop")
+                and n != "tier+"
+            )
         except ValueError:
             ok = False
         if not ok:
@@ -781,7 +790,7 @@ def _configs(s: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"unknown configuration(s) {bad}; use a subset of {','.join(CONFIGS)}, "
             "or tier@SIZE for the tier with --kv-host-cache-step-bytes SIZE "
-            "(e.g. tier@128M)"
+            "(e.g. tier@128M), tier+drop for --kv-host-cache-late-spill drop"
         )
     return names
 
@@ -805,7 +814,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_configs,
         default=list(CONFIGS),
         help="comma-separated subset of none,tier (default: both, interleaved); "
-        "tier@SIZE adds the tier with --kv-host-cache-step-bytes SIZE",
+        "tier@SIZE adds the tier with --kv-host-cache-step-bytes SIZE, "
+        "tier+drop with --kv-host-cache-late-spill drop (both: tier@SIZE+drop)",
     )
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per config (default 3)"

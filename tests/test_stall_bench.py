@@ -112,5 +112,15 @@ def test_tier_budget_variants(bench, tmp_path):
         "256M",
     ]
     assert "--kv-host-cache-bytes" not in bench.server_args("none", tmp_path, 8000)
+    assert bench._configs("tier+drop,tier@64M+copy") == ["tier+drop", "tier@64M+copy"]
+    with pytest.raises(argparse.ArgumentTypeError, match="tier\\+drop"):
+        bench._configs("tier+keep")
+    drop = bench.server_args("tier@64M+drop", tmp_path, 8000)
+    assert drop[-4:] == [
+        "--kv-host-cache-step-bytes",
+        "64M",
+        "--kv-host-cache-late-spill",
+        "drop",
+    ]
     runs = [{"config": c, "summary": None} for c in ("tier@256M", "none")]
     assert bench.aggregate(runs) == {}  # no finished run, nothing to aggregate

@@ -72,8 +72,11 @@ class KVMemConfig(BaseModel):
     each direction: loads of host hits, and copies ahead of eviction of the
     cached blocks next in line to be evicted. Bounds how long one step can be
     held up by copies (CPU: copies run in the step) or how much copy traffic
-    one step adds (GPU: side streams). Default: 128M on CPU, 512M on GPUs. At
-    least one block moves per step whatever the value."""
+    one step adds (GPU: side streams). A hit that fits what is left of a
+    step's budget loads before that step's forward, and its request runs in
+    that step; a larger one waits for its blocks while the others run.
+    Default: 256M on CPU, 512M on GPUs. At least one block moves per step
+    whatever the value."""
 
     kv_host_cache_late_spill: Literal["copy", "drop"] = "copy"
     """What happens to a cached block that vLLM evicts before its background

@@ -394,10 +394,12 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
 
 
 #: Default per-step copy budget (each direction). On CPU the copies run inside
-#: the step at memory speed (~8 GB/s here): 128 MiB holds a step up ~16 ms, so
-#: a 2k-token hit of a 128 KiB/token model arrives in two steps. On a GPU they
-#: run on side streams; 512 MiB is ~10 ms of PCIe 5 traffic.
-DEFAULT_STEP_BYTES = {"cpu": 128 << 20, "gpu": 512 << 20}
+#: the step at memory speed (~8 GB/s here): 256 MiB holds a step up ~32 ms,
+#: about one decode step of a small model, and a hit that size (2k tokens of
+#: a 128 KiB/token model) loads synchronously and joins the batch in the step
+#: it is admitted. On a GPU the copies run on side streams; 512 MiB is ~10 ms
+#: of PCIe 5 traffic.
+DEFAULT_STEP_BYTES = {"cpu": 256 << 20, "gpu": 512 << 20}
 
 
 def default_step_bytes() -> int:
