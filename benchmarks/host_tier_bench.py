@@ -383,7 +383,7 @@ def zygote_main(log_path: str) -> int:
 
 
 def engine_env() -> dict[str, str]:
-    from vllm_kvmem.engine_report import engine_env as base
+    from vllm_kvmem.demo_engine import engine_env as base
 
     return base(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",

@@ -211,7 +211,7 @@ def server_args(config: str, model: Path, port: int) -> list[str]:
 
 
 def server_env() -> dict[str, str]:
-    from vllm_kvmem.engine_report import engine_env
+    from vllm_kvmem.demo_engine import engine_env
 
     return engine_env(
         VLLM_LOGGING_LEVEL=os.environ.get("STALL_BENCH_LOG_LEVEL", "INFO"),

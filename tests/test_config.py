@@ -3,27 +3,20 @@ the same result, and bad input fails at startup naming the flag."""
 
 from __future__ import annotations
 
-import logging
-import re
-
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from tests.helpers import captured_log, engine_args_from_cli, messages
 from vllm_kvmem.config import KVMemConfig
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
 pytestmark = pytest.mark.usefixtures("vllm_patched")
 
 
-def _cli(*argv: str) -> AsyncEngineArgs:
-    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    return AsyncEngineArgs.from_cli_args(parser.parse_args(list(argv)))
-
-
 def test_three_doors_give_the_same_config(model_8l):
     m = str(model_8l)
-    via_cli = _cli("--model", m, "--enable-pp-prop-kv-cache")
+    via_cli = engine_args_from_cli("--model", m, "--enable-pp-prop-kv-cache")
     via_kwarg = EngineArgs(model=m, enable_pp_prop_kv_cache=True)
     via_additional = EngineArgs(
         model=m, additional_config={"kvmem": {"enable_pp_prop_kv_cache": True}}
@@ -35,8 +28,10 @@ def test_three_doors_give_the_same_config(model_8l):
 
 
 def test_absent_flag_leaves_additional_config_alone(model_8l):
-    assert "kvmem" not in _cli("--model", str(model_8l)).additional_config
-    off = _cli("--model", str(model_8l), "--no-enable-pp-prop-kv-cache")
+    assert (
+        "kvmem" not in engine_args_from_cli("--model", str(model_8l)).additional_config
+    )
+    off = engine_args_from_cli("--model", str(model_8l), "--no-enable-pp-prop-kv-cache")
     assert off.additional_config == {"kvmem": {"enable_pp_prop_kv_cache": False}}
 
 
@@ -84,28 +79,14 @@ def test_flag_without_budget_names_both_flags(model_8l, monkeypatch):
     assert "--kv-cache-memory-bytes" in str(e.value)
 
 
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_pipeline_size_one_warns_once(model_8l):
-    cap = _Capture()
-    log = logging.getLogger("vllm.kvmem.pp_prop")
-    log.addHandler(cap)
-    try:
+    with captured_log("vllm.kvmem.pp_prop") as records:
         config = EngineArgs(
             model=str(model_8l),
             enable_pp_prop_kv_cache=True,
             kv_cache_memory_bytes=64 << 20,
         ).create_engine_config()
-    finally:
-        log.removeHandler(cap)
-    warnings = [m for m in cap.messages if "no effect" in m]
+    warnings = [m for m in messages(records) if "no effect" in m]
     assert len(warnings) == 1
     assert "--pipeline-parallel-size 1" in warnings[0]
     assert config.additional_config["kvmem"] == {"enable_pp_prop_kv_cache": True}
@@ -113,7 +94,7 @@ def test_pipeline_size_one_warns_once(model_8l):
 
 def test_kv_cache_tokens_takes_sizes_through_every_door(model_8l):
     m = str(model_8l)
-    via_cli = _cli("--model", m, "--kv-cache-tokens", "400k")
+    via_cli = engine_args_from_cli("--model", m, "--kv-cache-tokens", "400k")
     via_kwarg = EngineArgs(model=m, kv_cache_tokens="400k")
     via_additional = EngineArgs(
         model=m, additional_config={"kvmem": {"kv_cache_tokens": 400_000}}
@@ -126,14 +107,27 @@ def test_kv_cache_tokens_takes_sizes_through_every_door(model_8l):
 
 
 @pytest.mark.parametrize(
-    "value,match",
-    [("lots", "not a size: 'lots'"), (0, "greater than or equal to 1"), (-3, ">= 1|1")],
+    "value,reason",
+    [
+        ("lots", "not a size: 'lots' (use e.g. 400000, 400k, 512K)"),
+        ("1.5K", "not a size: '1.5K' (use e.g. 400000, 400k, 512K)"),
+        (0, "Input should be greater than or equal to 1"),
+        (-3, "Input should be greater than or equal to 1"),
+    ],
 )
-def test_bad_kv_cache_tokens_names_the_flag(model_8l, value, match):
+def test_bad_kv_cache_tokens_names_the_flag(model_8l, value, reason):
+    """The message names the flag, where the value sits in additional_config,
+    the value itself, why it is wrong, and what would be accepted."""
     args = EngineArgs(model=str(model_8l), kv_cache_tokens=value)
-    with pytest.raises(ValueError, match="--kv-cache-tokens") as e:
+    with pytest.raises(ValueError) as e:
         args.create_engine_config()
-    assert re.search(match, str(e.value))
+    msg = str(e.value)
+    assert msg.startswith(
+        "--kv-cache-tokens (additional_config['kvmem']['kv_cache_tokens']): "
+        f"invalid value {value!r}: "
+    ), msg
+    assert reason in msg
+    assert msg.endswith("; expected a positive integer or a size like 400k or 8G")
 
 
 def test_kv_cache_tokens_and_bytes_are_mutually_exclusive(model_8l, monkeypatch):

@@ -10,17 +10,16 @@ through the engine's own geometry.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import mmap
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tests.helpers import captured_log
 from vllm_kvmem.core.copy_engine import (
     BlockCopyEngine,
     HostBlockPool,
@@ -67,21 +66,6 @@ class VllmCache:
                     start = r.offset + layer * r.layer_stride + b * r.block_stride
                     mask[start : start + r.page_bytes] = True
         return mask
-
-
-@contextlib.contextmanager
-def _copy_engine_log() -> Iterator[list[logging.LogRecord]]:
-    """The copy engine's log records while the block runs (vLLM's loggers do
-    not propagate to pytest's caplog)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    log = logging.getLogger("vllm.kvmem.copy_engine")
-    log.addHandler(handler)
-    try:
-        yield records
-    finally:
-        log.removeHandler(handler)
 
 
 def _fake_vllm_config(layout: KVCacheLayout, num_blocks: int) -> object:
@@ -324,7 +308,7 @@ def test_region_validation():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_pool_pinning_falls_back_with_one_warning():
-    with _copy_engine_log() as records:
+    with captured_log("vllm.kvmem.copy_engine") as records:
         pool = HostBlockPool(4, 64, pin_memory=True)
     assert not pool.pinned and pool.tensor.shape == (4, 64)
     assert pool.tensor.data_ptr() % mmap.PAGESIZE == 0  # pinnable pages of its own
@@ -410,7 +394,7 @@ def test_pinned_chunks_cover_the_pool_exactly(fake_cudart):
 @pytest.mark.parametrize("fail_on", [1, 3, 4])
 def test_failed_chunk_rolls_back_the_chunks_before_it(fake_cudart, fail_on):
     fake_cudart.fail_on = fail_on  # chunks before it pin, then it fails (of 4)
-    with _copy_engine_log() as records:
+    with captured_log("vllm.kvmem.copy_engine") as records:
         pool = HostBlockPool(16, PAGE, pin_memory=True)
     assert fake_cudart.register_calls == fail_on  # stopped at the failure
     succeeded = [a for a, _ in fake_cudart.registered]

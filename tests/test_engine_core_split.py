@@ -16,15 +16,19 @@ import pytest
 import torch
 import vllm.v1.attention.backends.utils as attn_utils
 from vllm.engine.arg_utils import EngineArgs
-from vllm.utils.argparse_utils import human_readable_int
 from vllm.v1.core import kv_cache_utils as ku
 from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from tests.helpers import captured_log, messages
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
 pytestmark = pytest.mark.usefixtures("vllm_patched")
 
 
 BIG = 1 << 40
+MiB = 1 << 20
+# model_8l on CPU: 128-token blocks of 64 KiB per layer, so a 6/2 split holds
+# 384 KiB of each block on stage 0 and 128 KiB on stage 1 (3/4 and 1/4).
 
 
 def _config(model, pp=2, tp=1, budget=64 << 20, max_len=512, flag=True, tokens=None):
@@ -114,13 +118,16 @@ def test_share_above_device_limit_names_rank_share_limit_and_a_budget(model_8l, 
     limits[tp - 1] = 300 << 20  # the last TP rank of stage 0 would get 768 MiB
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, specs, limits)
-    msg = str(e.value)
-    assert f"rank {tp - 1} (pipeline stage 0)" in msg
-    assert "768.00 MiB" in msg and "300.00 MiB" in msg
-    suggested = human_readable_int(
-        msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
+    # Stage 0 gets 3/4 of 1 GiB; the largest budget whose 3/4 fits 300 MiB is
+    # 400 MiB (a tight suggestion, not one TP times too small).
+    assert str(e.value) == (
+        f"--enable-pp-prop-kv-cache: rank {tp - 1} (pipeline stage 0) gets "
+        "768.00 MiB of the 1,024.00 MiB --kv-cache-memory-bytes budget, more than "
+        "its device can hold (300.00 MiB free after loading the model). Use "
+        "`--kv-cache-memory-bytes 400M` or less, or move layers off this stage "
+        "with VLLM_PP_LAYER_PARTITION."
     )
-    assert suggested >= 300 << 20  # a tight suggestion, not one TP times too small
+    suggested = 400 * MiB
     ok = _config(model_8l, budget=suggested, tp=tp)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2], tp=tp), limits)
     assert _alloc(configs[tp - 1]) <= 300 << 20
@@ -135,10 +142,16 @@ def test_share_too_small_for_one_sequence_names_a_budget_that_works(model_8l, tp
     specs = _specs(cfg, [6, 2], tp=tp)
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, specs, [BIG] * (2 * tp))
-    msg = str(e.value)
-    assert "rank 0 (pipeline stage 0)" in msg and "1,024-token sequence" in msg
-    suggested = msg.split("--kv-cache-memory-bytes ")[-1].split("`")[0]
-    budget = human_readable_int(suggested)
+    # 1,024 tokens are 8 blocks, plus vLLM's null block: 9 blocks of 384 KiB
+    # (3.38 MiB) on stage 0, and 9 x 512 KiB = 4.5 MiB pipeline-wide, so 5M.
+    assert str(e.value) == (
+        "--enable-pp-prop-kv-cache: rank 0 (pipeline stage 0) gets 1.50 MiB "
+        "(4 blocks) of the 2.00 MiB --kv-cache-memory-bytes budget, less than the "
+        "3.38 MiB (9 blocks, with vLLM's null block) one 1,024-token sequence "
+        "needs there. Use `--kv-cache-memory-bytes 5M` or more, or lower "
+        "--max-model-len."
+    )
+    budget = 5 * MiB
     ok = _config(model_8l, budget=budget, max_len=1024, tp=tp)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2], tp=tp), [BIG] * (2 * tp))
     assert len({c.num_blocks for c in configs}) == 1
@@ -180,10 +193,14 @@ def test_token_budget_larger_than_a_device_names_rank_and_tokens_that_fit(model_
     limits = [BIG, 10 << 20]
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), limits)
-    msg = str(e.value)
-    assert "--kv-cache-tokens 200,000: rank 1 needs" in msg
-    assert "10.00 MiB free" in msg
-    fit = int(msg.split("Use --kv-cache-tokens ")[-1].split(" ")[0].replace(",", ""))
+    # 200,000 tokens are 1,563 blocks of 128 KiB on stage 1; its 10 MiB hold
+    # 80 blocks, 10,240 tokens.
+    assert str(e.value) == (
+        "--kv-cache-tokens 200,000: rank 1 needs 1,563 blocks = 195.38 MiB of KV "
+        "cache, more than its device can hold (10.00 MiB free after loading the "
+        "model). Use --kv-cache-tokens 10,240 or less."
+    )
+    fit = 10_240
     ok = _config(model_8l, tokens=fit)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
     assert _alloc(configs[1]) <= 10 << 20
@@ -193,37 +210,25 @@ def test_token_budget_larger_than_a_device_names_rank_and_tokens_that_fit(model_
 @pytest.mark.parametrize("tokens", [100, 512])
 def test_token_budget_below_one_sequence_is_refused(model_8l, tokens):
     cfg = _config(model_8l, tokens=tokens, max_len=512)
-    with pytest.raises(ValueError, match=f"--kv-cache-tokens {tokens} cannot hold"):
-        ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [BIG, BIG])
-    # ... and the suggested minimum is accepted.
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [BIG, BIG])
-    least = int(
-        str(e.value).split("Use --kv-cache-tokens ")[1].split()[0].replace(",", "")
+    # 512 tokens are 4 blocks, plus vLLM's null block: 5 blocks, 640 tokens.
+    assert str(e.value) == (
+        f"--kv-cache-tokens {tokens} cannot hold one 512-token sequence "
+        "(max_model_len) next to vLLM's null block: that needs 5 blocks. Use "
+        "--kv-cache-tokens 640 or more, or lower --max-model-len."
     )
-    ok = _config(model_8l, tokens=least, max_len=512)
+    # ... and the suggested minimum is accepted.
+    ok = _config(model_8l, tokens=640, max_len=512)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), [BIG, BIG])
     assert configs[0].num_blocks == 5  # 4 blocks of 128 tokens + the null block
 
 
 def test_startup_report_lists_every_rank(model_8l):
-    import logging
-
-    records = []
-
-    class H(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    log = logging.getLogger("vllm.kvmem.kv_budget")
-    h = H()
-    log.addHandler(h)
-    try:
+    with captured_log("vllm.kvmem.kv_budget") as records:
         cfg = _config(model_8l, tp=2, flag=False)
         configs = ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2], tp=2), [BIG] * 4)
-    finally:
-        log.removeHandler(h)
-    (report,) = [r for r in records if r.startswith("KV cache per rank")]
+    (report,) = [m for m in messages(records) if m.startswith("KV cache per rank")]
     rows = report.splitlines()[2:]
     assert len(rows) == 4
     for rank, (row, c) in enumerate(zip(rows, configs)):
@@ -252,17 +257,27 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
     cfg, limits = config(tokens=2_000_000) if flag == "tokens" else config()
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), limits)
-    msg = str(e.value)
-    assert (
-        "900.00 MiB free after loading the model, less 300.00 MiB for vLLM's CUDA "
+    limit = (
+        "(900.00 MiB free after loading the model, less 300.00 MiB for vLLM's CUDA "
         "graph estimate, less 256.00 MiB for the host KV tier's staging buffer: "
-        "344.00 MiB" in msg
+        "344.00 MiB)"
     )
+    # 344 MiB hold 917 blocks of 384 KiB (117,376 tokens) on stage 0, which
+    # gets 3/4 of a budget: 458 MiB at most.
     if flag == "tokens":
-        fit = int(msg.split("Use --kv-cache-tokens ")[1].split()[0].replace(",", ""))
-        ok, limits = config(tokens=fit)
+        assert str(e.value) == (
+            "--kv-cache-tokens 2,000,000: rank 0 needs 15,625 blocks = 5,859.38 MiB "
+            f"of KV cache, more than its device can hold {limit}. Use "
+            "--kv-cache-tokens 117,376 or less."
+        )
+        ok, limits = config(tokens=117_376)
     else:
-        fit = msg.split("Use `--kv-cache-memory-bytes ")[1].split("`")[0]
-        ok, limits = config(budget=human_readable_int(fit))
+        assert str(e.value) == (
+            "--enable-pp-prop-kv-cache: rank 0 (pipeline stage 0) gets 768.00 MiB of "
+            "the 1,024.00 MiB --kv-cache-memory-bytes budget, more than its device "
+            f"can hold {limit}. Use `--kv-cache-memory-bytes 458M` or less, or move "
+            "layers off this stage with VLLM_PP_LAYER_PARTITION."
+        )
+        ok, limits = config(budget=458 * MiB)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
     assert _alloc(configs[0]) <= 344 << 20

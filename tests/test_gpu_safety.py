@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 # The torch objects vLLM's CPU shim replaces at import time.
 TORCH_PROBE = """

@@ -14,14 +14,14 @@ the tests can watch every step's metadata and counters):
 - a corrupted host block is caught by the integrity check and recomputed.
 
 Greedy output is compared with the same prompt computed from scratch in the
-same engine (float32, see test_host_tier_engine.py).
+same engine (float32, see ``tests.helpers.host_tier_kwargs``).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.test_host_tier_engine import _kwargs, _workload
+from tests.helpers import captured_log, host_tier_kwargs, host_tier_workload, messages
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("vllm_patched")]
 
@@ -36,7 +36,7 @@ def in_process(monkeypatch):
 def _engine(model, **extra):
     from vllm import LLM
 
-    llm = LLM(**_kwargs(model, True, enforce_eager=True, **extra))
+    llm = LLM(**host_tier_kwargs(model, True, enforce_eager=True, **extra))
     core = llm.llm_engine.engine_core.engine_core
     return llm, core.scheduler, core.scheduler.connector
 
@@ -72,7 +72,7 @@ def test_host_hit_loads_in_bounded_chunks_while_others_decode(
     from vllm.v1.request import RequestStatus
 
     llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=2 * BLOCK_BYTES)
-    docs = _workload()["prompts"]
+    docs = host_tier_workload()["prompts"]
     first = llm.generate(docs, _params(8), use_tqdm=False)  # fills the host tier
     metas = _record_metas(monkeypatch, sched)
     engine = llm.llm_engine
@@ -107,7 +107,7 @@ def test_hit_within_the_step_budget_runs_in_the_same_step(
     from vllm.v1.request import RequestStatus
 
     llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=8 * BLOCK_BYTES)
-    docs = _workload()["prompts"]
+    docs = host_tier_workload()["prompts"]
     first = llm.generate(docs, _params(4), use_tqdm=False)  # fills the host tier
     metas = _record_metas(monkeypatch, sched)
     engine = llm.llm_engine
@@ -140,7 +140,7 @@ def test_blocks_are_copied_ahead_once_and_eviction_moves_nothing(
     model_8l, in_process, monkeypatch
 ):
     llm, sched, tier = _engine(model_8l)
-    docs = _workload()["prompts"]
+    docs = host_tier_workload()["prompts"]
     stats = tier.totals  # counters since start
     x = llm.generate([docs[0]], _params(1), use_tqdm=False)[0]
     # Y decodes while X's blocks sit in the free queue: they are copied ahead.
@@ -167,7 +167,7 @@ def test_blocks_evicted_before_their_copy_ran(model_8l, in_process, late):
     llm, sched, tier = _engine(
         model_8l, kv_host_cache_step_bytes=BLOCK_BYTES, kv_host_cache_late_spill=late
     )
-    docs = _workload()["prompts"]
+    docs = host_tier_workload()["prompts"]
     stats = tier.totals
     x = llm.generate([docs[0]], _params(1), use_tqdm=False)[0]
     llm.generate([docs[1]], _params(2), use_tqdm=False)
@@ -187,27 +187,19 @@ def test_blocks_evicted_before_their_copy_ran(model_8l, in_process, late):
 
 
 def test_corrupted_host_block_is_recomputed_not_served(model_8l, in_process):
-    import io
-    import logging
-
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     llm, sched, tier = _engine(model_8l, kv_host_cache_verify=True)
-    docs = _workload()["prompts"]
+    docs = host_tier_workload()["prompts"]
     first = llm.generate(docs, _params(8), use_tqdm=False)
     worker = get_kv_transfer_group()
     assert worker._checksums  # every save was checksummed
     worker._engine.pool.tensor.add_(1)  # every host byte is now wrong
-    log, handler = io.StringIO(), None
-    handler = logging.StreamHandler(log)
-    logger = logging.getLogger("vllm.kvmem.host_tier")
-    logger.addHandler(handler)
-    try:
+    with captured_log("vllm.kvmem.host_tier") as records:
         again = llm.generate([docs[0]], _params(8), use_tqdm=False)[0]
-    finally:
-        logger.removeHandler(handler)
     assert again.outputs[0].token_ids == first[0].outputs[0].token_ids
-    assert "fail their checksum; they will be recomputed" in log.getvalue()
+    said = messages(records)
+    assert any("fail their checksum; they will be recomputed" in m for m in said)
     assert worker.totals["load_errors"] >= 1
 
 
@@ -215,7 +207,7 @@ def test_abort_while_loads_are_queued_releases_everything(
     model_8l, in_process, monkeypatch
 ):
     llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=BLOCK_BYTES)
-    docs = _workload()["prompts"]
+    docs = host_tier_workload()["prompts"]
     llm.generate(docs, _params(4), use_tqdm=False)
     pool = sched.kv_cache_manager.block_pool
     free = pool.get_num_free_blocks()

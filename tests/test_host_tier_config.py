@@ -8,6 +8,7 @@ import psutil
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
+from tests.helpers import captured_log, engine_args_from_cli
 from vllm_kvmem.host_tier import CONNECTOR_NAME
 from vllm_kvmem.plugin import register
 
@@ -20,9 +21,7 @@ def _args(model, **kw):
 
 
 def test_size_turns_on_the_connector_from_every_door(model_8l):
-    from tests.test_config import _cli
-
-    via_cli = _cli(
+    via_cli = engine_args_from_cli(
         "--model", str(model_8l), "--kv-cache-memory-bytes", "16M",
         "--kv-host-cache-bytes", "64M", "--kv-host-cache-policy", "fifo",
     )  # fmt: skip
@@ -85,13 +84,6 @@ def available_10g(monkeypatch):
     )
 
 
-def _records(name: str):
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    return records, handler, logging.getLogger(name)
-
-
 @pytest.mark.parametrize(
     "parallel,tp,dp_local",
     [
@@ -119,13 +111,9 @@ def test_memory_check_counts_every_rank_on_the_node_with_headroom(
     register()
     pools = tp * dp_local
     at_limit = 8 * GIB // pools
-    records, handler, log = _records("vllm.kvmem.host_tier")
-    log.addHandler(handler)
-    try:
+    with captured_log("vllm.kvmem.host_tier") as records:
         args = _args(model_8l, kv_host_cache_bytes=at_limit, **parallel)
         cfg = args.create_engine_config()
-    finally:
-        log.removeHandler(handler)
     assert cfg.kv_transfer_config.kv_connector == CONNECTOR_NAME
     assert cfg.parallel_config.tensor_parallel_size == tp
     checks = [r for r in records if "memory check" in r.getMessage()]

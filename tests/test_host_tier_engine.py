@@ -11,48 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import PP_COMPILATION, run_engine
+from tests.helpers import (
+    ENGINE_TIMEOUT_S,
+    ROOT,
+    engine_env,
+    host_tier_kwargs,
+    host_tier_workload,
+    run_engine,
+)
+from vllm_kvmem.demo_engine import PP_COMPILATION
 
 pytestmark = pytest.mark.engine
-
-WORDS = (
-    "cache block layer page token memory host device copy stage pipeline "
-    "budget window request batch prefix tier spill load hit miss engine"
-).split()
-# float32: a random-weight model's logits are near ties, and bf16 rounding of
-# a different batch shape (a prefix loaded vs recomputed) can flip a greedy
-# choice; in float32 the comparison tests the tier, not the rounding.
-DTYPE = "float32"
-DEVICE_KV = 24 << 20  # 24 blocks of 128 tokens (1 MiB each in float32)
-HOST_KV = 256 << 20
-
-
-def _doc(k: int, n: int = 400) -> str:
-    return " ".join(WORDS[(i * k + k) % len(WORDS)] + str(k % 7) for i in range(n))
-
-
-def _workload(num_docs: int = 12) -> dict:
-    # ~1,000 tokens (8 blocks) per document: 12 documents = 96 blocks, 4x the
-    # device cache; each prompt is a document plus a short question.
-    return {
-        "prompts": [_doc(k) + " question" for k in range(1, num_docs + 1)],
-        "max_tokens": 8,
-        "rounds": 2,
-    }
-
-
-def _kwargs(model, host: bool, **extra):
-    kw = dict(
-        model=str(model),
-        kv_cache_memory_bytes=DEVICE_KV,
-        max_model_len=2048,
-        max_num_seqs=2,
-        dtype=DTYPE,
-        **extra,
-    )
-    if host:
-        kw["kv_host_cache_bytes"] = HOST_KV
-    return kw
 
 
 def _check_identical_and_hits(off, on):
@@ -70,16 +39,18 @@ def _check_identical_and_hits(off, on):
 @pytest.mark.parametrize("multiprocess", ["0", "1"])
 def test_single_stage_output_identical_with_host_hits(model_8l, multiprocess):
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess)
-    off = run_engine(_kwargs(model_8l, False, enforce_eager=True), _workload(), **env)
-    on = run_engine(_kwargs(model_8l, True, enforce_eager=True), _workload(), **env)
+    work = host_tier_workload()
+    off = run_engine(host_tier_kwargs(model_8l, False, enforce_eager=True), work, **env)
+    on = run_engine(host_tier_kwargs(model_8l, True, enforce_eager=True), work, **env)
     _check_identical_and_hits(off, on)
 
 
 def test_pipeline_of_two_output_identical_with_host_hits(model_8l):
     kw = dict(pipeline_parallel_size=2, compilation_config=PP_COMPILATION)
     env = dict(VLLM_PP_LAYER_PARTITION="5,3")
-    off = run_engine(_kwargs(model_8l, False, **kw), _workload(8), **env)
-    on = run_engine(_kwargs(model_8l, True, **kw), _workload(8), **env)
+    work = host_tier_workload(8)
+    off = run_engine(host_tier_kwargs(model_8l, False, **kw), work, **env)
+    on = run_engine(host_tier_kwargs(model_8l, True, **kw), work, **env)
     _check_identical_and_hits(off, on)
     assert on.log.count("Host KV tier on this rank") == 2  # both stages hold a slice
 
@@ -89,7 +60,7 @@ def test_unsupported_model_turns_the_tier_off_and_serves(tmp_path):
 
     model = build_tiny_model(tmp_path / "sw", num_layers=4, sliding_window=256)
     run = run_engine(
-        _kwargs(model, True, enforce_eager=True),
+        host_tier_kwargs(model, True, enforce_eager=True),
         {"prompts": ["a short prompt"], "max_tokens": 4},
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
     )
@@ -102,8 +73,8 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**_kwargs(model_8l, True, enforce_eager=True))
-    docs = _workload()["prompts"]
+    llm = LLM(**host_tier_kwargs(model_8l, True, enforce_eager=True))
+    docs = host_tier_workload()["prompts"]
     params = SamplingParams(max_tokens=4, temperature=0.0)
     llm.generate(docs, params, use_tqdm=False)  # fills the host tier
     core = llm.llm_engine.engine_core.engine_core
@@ -160,12 +131,11 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched)
 def test_host_tier_smaller_than_one_steps_evictions(model_8l):
     """Three host blocks, prefills evicting eight device blocks per step: the
     tier must never hand one slot to two saves of the same step."""
-    small = dict(
-        _kwargs(model_8l, False, enforce_eager=True), kv_host_cache_bytes=3 << 20
-    )
-    off = run_engine(_kwargs(model_8l, False, enforce_eager=True), _workload(6),
-                     VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
-    on = run_engine(small, _workload(6), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    no_tier = host_tier_kwargs(model_8l, False, enforce_eager=True)
+    small = dict(no_tier, kv_host_cache_bytes=3 << 20)
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    off = run_engine(no_tier, host_tier_workload(6), **env)
+    on = run_engine(small, host_tier_workload(6), **env)
     assert on.returncode == 0, on.log[-4000:]
     assert on.report["token_ids"] == off.report["token_ids"]
     assert "Host KV tier: 3 blocks" in on.log
@@ -215,9 +185,7 @@ def test_engine_shutdown_releases_the_host_pool(model_8l):
     import subprocess
     import sys
 
-    from tests.conftest import ENGINE_TIMEOUT_S, ROOT, engine_env
-
-    kwargs = _kwargs(model_8l, True, enforce_eager=True)
+    kwargs = host_tier_kwargs(model_8l, True, enforce_eager=True)
     proc = subprocess.run(
         [sys.executable, "-c", _TWO_ENGINES, json.dumps(kwargs)],
         cwd=str(ROOT),

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_engine
+from tests.helpers import run_engine
+from vllm_kvmem.demo import WORDS
 
 pytestmark = pytest.mark.engine
-
-WORDS = (
-    "cache block layer page token memory host device copy stage pipeline "
-    "budget window request batch prefix tier spill load hit miss engine"
-).split()
 
 
 def _prompts() -> list[str]:
@@ -76,7 +72,7 @@ def test_opted_in_connector_gets_the_contiguous_layout(model_8l):
             enforce_eager=True,
             kv_transfer_config={
                 "kv_connector": "ContiguousLayoutExampleConnector",
-                "kv_connector_module_path": "vllm_kvmem.connectors.contiguous_example",
+                "kv_connector_module_path": "tests.contiguous_example",
                 "kv_role": "kv_both",
             },
         ),

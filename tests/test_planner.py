@@ -15,15 +15,16 @@ import math
 import random
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from vllm_kvmem import planner
 from vllm_kvmem.core import kv_math as km
+from vllm_kvmem.core import units
+from vllm_kvmem.core.units import GiB, KiB, MiB, cdiv
 from vllm_kvmem.tiny_model import build_tiny_model
-
-GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
 QWEN3_32B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -125,7 +126,7 @@ def write_model(
         cfg = {**cfg, "quantization_config": {"quant_method": "fp8"}}
     (root / "config.json").write_text(json.dumps(cfg))
     tensors = llama_tensors(cfg, fp8=fp8)
-    per = -(-len(tensors) // shards)
+    per = cdiv(len(tensors), shards)
     weight_map, total = {}, 0
     for k in range(shards):
         name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
@@ -160,20 +161,24 @@ def cli(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(
-    ("text", "value"),
-    [
-        ("5G", 5 * GiB),
-        ("512M", 512 * MiB),
-        ("1.5g", 1_500_000_000),
-        ("400000", 400_000),
-        ("25.6k", 25_600),  # vLLM's own docstring example
-        ("1K", 1024),
-        ("1k", 1000),
-        (" 2T ", 2 << 40),
-    ],
+    "text",
+    ["5G", "512M", "1.5g", "400000", "25.6k", "1K", "1k", " 2T ", "+5", "1_000"]
+    + ["1.5G", "lots", "5 GB", "1e3", "0x10", "5GiB", ""],
 )
-def test_parse_size_matches_vllm_human_readable_int(text: str, value: int) -> None:
-    assert km.parse_size(text) == value
+def test_parse_size_is_vllms_human_readable_int(text: str) -> None:
+    """The one size parser accepts what vLLM's flag parser accepts, with the
+    same value, and refuses what it refuses."""
+    from argparse import ArgumentTypeError
+
+    from vllm.utils.argparse_utils import human_readable_int
+
+    try:
+        expected = human_readable_int(text)
+    except (ValueError, ArgumentTypeError):
+        with pytest.raises(ValueError):
+            units.parse_size(text)
+    else:
+        assert units.parse_size(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -181,7 +186,7 @@ def test_parse_size_matches_vllm_human_readable_int(text: str, value: int) -> No
 )
 def test_parse_size_errors_say_what_works(text: str, hint: str) -> None:
     with pytest.raises(ValueError, match=hint) as e:
-        km.parse_size(text, flag="--kv-cache-memory-bytes")
+        units.parse_size(text, flag="--kv-cache-memory-bytes")
     assert "\n" not in str(e.value)
 
 
@@ -213,7 +218,7 @@ def test_sliding_window_blocks_per_request() -> None:
     got = spec.blocks_per_request(
         block_size=16, max_model_len=32768, max_in_flight_tokens=2048
     )
-    assert got == -(-(4095 + 2048) // 16) + 1 == 385
+    assert got == cdiv(4095 + 2048, 16) + 1 == 385
     short = spec.blocks_per_request(
         block_size=16, max_model_len=1000, max_in_flight_tokens=2048
     )
@@ -248,7 +253,7 @@ def test_hybrid_groups_follow_vllm_uniform_page_size_grouping() -> None:
     need = km.request_blocks(
         groups, block_size=16, max_model_len=8192, max_in_flight_tokens=3 * 1024
     )
-    assert need == 2 * (-(-(511 + 3072) // 16) + 1) + 8192 // 16 == 962
+    assert need == 2 * (cdiv(511 + 3072, 16) + 1) + 8192 // 16 == 962
     # Hybrid manager off: everything is full attention, one group.
     assert len(km.kv_cache_groups(layers, hybrid=False)) == 1
 
@@ -337,11 +342,60 @@ def test_seed_56_8_split_of_qwen3_32b(qwen: Path) -> None:
     assert (ok.num_blocks, ok.tokens, ok.concurrency) == (2560, 40_960, 1.25)
 
 
-def test_vllm_capacity_counts_the_null_block_like_vllm() -> None:
-    # get_max_concurrency_for_kv_cache_config: num_blocks / blocks per request,
-    # null block included; tokens = int(concurrency * max_model_len).
-    assert km.vllm_capacity(2925, 2560, 40960) == (46_800, 2925 / 2560)
-    assert km.vllm_capacity(100, 3, 1000) == (int(100 / 3 * 1000), 100 / 3)
+@pytest.mark.parametrize("kind", ["full", "sliding", "mla"])
+@pytest.mark.parametrize(
+    ("num_blocks", "max_len"), [(2925, 40960), (100, 1000), (7, 4096)]
+)
+def test_capacity_is_vllms_get_kv_cache_capacity(
+    kind: str, num_blocks: int, max_len: int
+) -> None:
+    """Page bytes, blocks per request, logged tokens and concurrency equal what
+    vLLM computes from its own KV spec of the same layer (null block included)."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    shape = dict(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    layer, spec = {
+        "full": (km.full_attention(8, 128, 2), FullAttentionSpec(**shape)),
+        "sliding": (
+            km.sliding_window(8, 128, 2, 4096),
+            SlidingWindowSpec(**shape, sliding_window=4096),
+        ),
+        "mla": (
+            km.mla(512, 64, 2),
+            MLAAttentionSpec(
+                block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+            ),
+        ),
+    }[kind]
+    in_flight = 2048
+    vllm_config = SimpleNamespace(  # what the capacity functions read
+        model_config=SimpleNamespace(max_model_len=max_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        max_in_flight_tokens=in_flight,
+    )
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0"], spec)],
+    )
+    bpr = km.request_blocks(
+        km.kv_cache_groups([layer]),
+        block_size=16,
+        max_model_len=max_len,
+        max_in_flight_tokens=in_flight,
+    )
+    assert layer.page_bytes(16) == spec.page_size_bytes
+    assert km.vllm_capacity(num_blocks, bpr, max_len) == get_kv_cache_capacity(
+        vllm_config, config
+    )
 
 
 # ---------------------------------------------------------- Llama-3-8B-like
@@ -387,16 +441,18 @@ def test_token_budget_is_the_fewest_blocks_vllm_logs_as_enough(
     bpr: int, max_len: int
 ) -> None:
     # (19, 2048): a sliding window, whose logged tokens exceed its slots.
+    def logged(blocks: int) -> int:
+        return km.vllm_capacity(blocks, bpr, max_len)[0]
+
     for tokens in (1, 999, 1000, 1001, 40_000, 123_457):
-        b = km.blocks_for_tokens(tokens, blocks_per_request=bpr, max_model_len=max_len)
-        assert km.vllm_capacity(b, bpr, max_len)[0] >= tokens
-        assert b == 1 or km.vllm_capacity(b - 1, bpr, max_len)[0] < tokens
+        b = km.blocks_for_tokens(tokens, logged)
+        assert logged(b) >= tokens
+        assert b == 1 or logged(b - 1) < tokens
+        # A guess on either side of the answer finds the same count.
+        assert km.blocks_for_tokens(tokens, logged, guess=b + 17) == b
+        assert km.blocks_for_tokens(tokens, logged, guess=max(1, b // 3)) == b
     # The least that starts is one more token than bpr blocks log.
-    least = km.min_tokens(bpr, max_len)
-    assert (
-        km.blocks_for_tokens(least, blocks_per_request=bpr, max_model_len=max_len)
-        == bpr + 1
-    )
+    assert km.blocks_for_tokens(km.min_tokens(bpr, max_len), logged) == bpr + 1
 
 
 def test_target_concurrency_budget_both_ways(llama: Path) -> None:
@@ -476,7 +532,7 @@ def test_tiny_models_kinds_and_cpu_defaults(tmp_path: Path) -> None:
     [kind] = p.kinds
     assert kind.kind == "sliding_window" and kind.sliding_window == 256
     # in flight: 2048 tokens x 1 batch (CPU: no async scheduling), under 4096.
-    assert kind.blocks_per_request == -(-(255 + 2048) // 128) + 1 == 19
+    assert kind.blocks_per_request == cdiv(255 + 2048, 128) + 1 == 19
     full = build_tiny_model(tmp_path / "full", num_layers=4)
     assert [k.kind for k in planner.plan(full).kinds] == ["full_attention"]
 
@@ -590,17 +646,16 @@ def test_cli_errors(llama: Path) -> None:
 # ----------------------------------------------------------------- output
 
 
+# The seed's run: Qwen3-32B split 56/8, 5 GiB, fp8 KV.
+SEED_FLAGS = (
+    "-pp 2 --pp-layer-partition 56,8 --kv-cache-memory-bytes 5G --kv-cache-dtype fp8"
+).split()
+
+
 def test_json_output_parses(qwen: Path, capsys: pytest.CaptureFixture) -> None:
     args = cli(
         str(qwen),
-        "-pp",
-        "2",
-        "--pp-layer-partition",
-        "56,8",
-        "--kv-cache-memory-bytes",
-        "5G",
-        "--kv-cache-dtype",
-        "fp8",
+        *SEED_FLAGS,
         "--max-model-len",
         "32768",
         "--target-concurrency",
@@ -618,17 +673,7 @@ def test_json_output_parses(qwen: Path, capsys: pytest.CaptureFixture) -> None:
 
 
 def test_human_table(qwen: Path, capsys: pytest.CaptureFixture) -> None:
-    args = cli(
-        str(qwen),
-        "-pp",
-        "2",
-        "--pp-layer-partition",
-        "56,8",
-        "--kv-cache-memory-bytes",
-        "5G",
-        "--kv-cache-dtype",
-        "fp8",
-    )
+    args = cli(str(qwen), *SEED_FLAGS)
     assert planner.run(args) == 0
     out = capsys.readouterr().out
     assert "46,800" in out and "327,680" in out and "40,960" in out
@@ -651,7 +696,7 @@ def test_heterogeneous_16g_32g_beats_even(
     assert p.setup.partition == r.best.partition  # the report uses it
     # Exact: no composition of 32 layers into 2 stages does better.
     info = planner.load_model(llama)
-    arith = planner._Arith(info, p.setup)
+    arith = planner.KVCosts(info, p.setup)
     first, last = info.weights.stage_fixed_bytes(2)
     cost = km.PipelineCost(
         32, arith.bytes_per_block, info.weights.per_layer, first, last

@@ -11,26 +11,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import PP_COMPILATION, run_engine
+from tests.helpers import assert_agrees, run_engine
+from vllm_kvmem.core.units import MiB
+from vllm_kvmem.demo_engine import PP_COMPILATION
 from vllm_kvmem.planner import plan_capacity
 from vllm_kvmem.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.engine
-
-MiB = 1 << 20
-
-
-def _assert_agrees(run, cap, max_len):
-    assert run.returncode == 0, run.log[-4000:]
-    ranks = run.ranks
-    assert len(ranks) == len(cap.stages)
-    for r, st in zip(ranks, cap.stages):
-        assert r["layers"] == st.num_layers
-        assert r["num_blocks"] == st.num_blocks == cap.num_blocks
-        assert r["kv_bytes"] == st.kv_bytes
-        assert r["tokens"] == cap.tokens
-        assert r["concurrency"] == pytest.approx(cap.concurrency)
-        assert r["max_model_len"] == max_len
 
 
 SINGLE = [
@@ -67,7 +54,7 @@ def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, bat
         max_num_batched_tokens=batch,
         platform="cpu",
     )
-    _assert_agrees(run, cap, max_len)
+    assert_agrees(run, cap, max_len)
     if "sliding" in name:
         assert cap.blocks_per_request < max_len // 128 + 1
 
@@ -105,4 +92,4 @@ def test_pipeline_of_two(model_8l, partition, nbytes, ntokens, prop):
         proportional=prop,
         platform="cpu",
     )
-    _assert_agrees(run, cap, 512)
+    assert_agrees(run, cap, 512)

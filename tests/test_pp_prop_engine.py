@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from tests.conftest import PP_COMPILATION, run_engine
+from tests.helpers import assert_agrees, run_engine
+from vllm_kvmem.demo_engine import PP_COMPILATION
 
 pytestmark = pytest.mark.engine
 
@@ -109,7 +110,6 @@ def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
     assert patched.report["token_ids"] == unpatched.report["token_ids"]
     assert "pp_prop.py" not in unpatched.log + patched.log
     # ... and the offline planner predicts the same per-GPU numbers.
-    from tests.test_planner_agreement import _assert_agrees
     from vllm_kvmem.planner import plan_capacity
 
     cap = plan_capacity(
@@ -120,7 +120,7 @@ def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
         max_model_len=512,
         platform="cpu",
     )
-    _assert_agrees(patched, cap, 512)
+    assert_agrees(patched, cap, 512)
 
 
 def test_share_too_small_for_one_sequence_fails_naming_rank_and_budget(model_8l):
@@ -149,5 +149,5 @@ def test_bad_partition_gives_vllms_own_error(model_8l):
     assert "sum(partitions)=7 does not match num_hidden_layers=8" in run.log
     frames = [ln for ln in run.log.splitlines() if ln.strip().startswith("File ")]
     assert frames  # the traceback is there ...
-    ours = [f for f in frames if "vllm_kvmem/" in f and "engine_report.py" not in f]
+    ours = [f for f in frames if "vllm_kvmem/" in f and "demo_engine.py" not in f]
     assert ours == []  # ... and does not pass through our patches

@@ -5,23 +5,24 @@ from __future__ import annotations
 import pytest
 
 from vllm_kvmem.core import pp_split
-from vllm_kvmem.core.units import GiB, flag_size
+from vllm_kvmem.core.units import GiB, flag_size, gib
 
 
 def test_seed_56_8_split_matches_the_seed_numbers():
     # The seed's figures imply 2 KiB per token per layer (Qwen3-32B: 8 KV heads
     # x 128 x (K+V) with a 1-byte fp8 KV cache), 16-token blocks.
     per_layer_block = 16 * 2048
-    shares = pp_split.split_budget(5 * GiB, [56 * per_layer_block, 8 * per_layer_block])
-    assert f"{shares[0].share_bytes / GiB:.2f}" == "4.38"
-    assert f"{shares[1].share_bytes / GiB:.2f}" == "0.62"
+    bpb = [56 * per_layer_block, 8 * per_layer_block]
+    shares = pp_split.split_budget(5 * GiB, bpb)
+    assert [gib(s.share_bytes) for s in shares] == ["4.38", "0.62"]
     blocks = {s.num_blocks for s in shares}
     assert blocks == {5 * GiB // (64 * per_layer_block)}
     # 40,960 tokens on both ranks, as in the seed.
     assert blocks.pop() * 16 == 40_960
-    # Without the flag rank 0 holds 46,800 tokens (the seed's baseline line).
-    assert pp_split.uniform_blocks(5 * GiB, [56 * per_layer_block]) * 16 == 46_800
-    assert 5 * GiB // (8 * per_layer_block) * 16 == 327_680
+    # Without the flag both ranks are handed 5 GiB and cut to the fatter
+    # stage's count: 46,800 tokens (the seed's baseline line), not rank 1's
+    # 327,680.
+    assert pp_split.uniform_blocks(5 * GiB, bpb) * 16 == 46_800
 
 
 @pytest.mark.parametrize(
@@ -66,8 +67,10 @@ def test_bad_budget_is_refused(bad):
         pp_split.split_budget(bad, [1, 2])
 
 
-def test_flag_size_rounds_up_to_a_value_vllm_parses():
+def test_flag_size_rounds_to_a_value_vllm_parses():
     from vllm.utils.argparse_utils import human_readable_int
 
     for n in (1, GiB, GiB + 1, 5 * GiB - 3, 123456789):
-        assert human_readable_int(flag_size(n)) >= n
+        up = human_readable_int(flag_size(n))
+        down = human_readable_int(flag_size(n, round_up=False))
+        assert down <= n <= up and up - down <= 1 << 20

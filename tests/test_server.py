@@ -17,7 +17,9 @@ import time
 import pytest
 import requests
 
-from tests.conftest import PP_COMPILATION, ROOT, engine_env
+from tests.helpers import ROOT, engine_env
+from vllm_kvmem.demo import documents
+from vllm_kvmem.demo_engine import PP_COMPILATION
 
 pytestmark = pytest.mark.engine
 
@@ -100,13 +102,11 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_host_tier_metrics_on_the_server(model_8l, tmp_path):
-    from tests.test_host_tier_engine import _doc
-
     args = [
         "--model", str(model_8l), "--max-model-len", "2048", "--enforce-eager",
         "--kv-cache-memory-bytes", "12M", "--kv-host-cache-bytes", "256M",
     ]  # fmt: skip
-    docs = [_doc(k) + " question" for k in range(1, 7)]
+    docs = documents(6)
     with _Server(args, tmp_path / "server.log") as server:
         for _ in range(2):  # the second pass hits the host tier
             for d in docs:
@@ -128,7 +128,12 @@ def test_host_tier_metrics_on_the_server(model_8l, tmp_path):
         "vllm:kvmem_host_bytes_in_use",
     ):
         assert _metric(text, name) > 0, name
-    assert _metric(text, "vllm:kvmem_host_miss_tokens_total") >= 0
+    # Every token looked up either hit or missed, and the first pass, over
+    # documents the tier had never seen, missed.
+    lookups = _metric(text, "vllm:kvmem_host_lookup_tokens_total")
+    hits = _metric(text, "vllm:kvmem_host_hit_tokens_total")
+    misses = _metric(text, "vllm:kvmem_host_miss_tokens_total")
+    assert misses > 0 and lookups == hits + misses
     assert "Host KV tier: " in (tmp_path / "server.log").read_text()
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import import_script
+from tests.helpers import import_script
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "serving_bench.py"
 

@@ -13,17 +13,20 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from vllm_kvmem.core import units
+
 ADDITIONAL_CONFIG_KEY = "kvmem"
 
 
 def parse_size(value: Any) -> Any:
-    """Accept vLLM's human-readable integers ("400k", "5G") where ints go."""
-    if isinstance(value, str):
-        from vllm.utils.argparse_utils import human_readable_int
+    """Accept vLLM's human-readable integers ("400k", "5G") where ints go.
 
+    Strings only: pydantic checks everything else strictly as an int.
+    """
+    if isinstance(value, str):
         try:
-            return human_readable_int(value)
-        except (ValueError, TypeError) as e:
+            return units.parse_size(value)
+        except ValueError as e:
             raise ValueError(
                 f"not a size: {value!r} (use e.g. 400000, 400k, 512K)"
             ) from e

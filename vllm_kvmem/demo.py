@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_kvmem.core.units import MiB
-from vllm_kvmem.engine_report import run_subprocess
-
-PP_COMPILATION = {"mode": 2, "backend": "eager"}
+from vllm_kvmem.core.table import BAR, render_table
+from vllm_kvmem.core.units import format_bytes
+from vllm_kvmem.demo_engine import PP_COMPILATION, run_subprocess
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,32 +58,39 @@ def format_table(runs: dict[str, dict[str, Any]], budget: int, max_len: int) -> 
         f"{'':14}| {'without --enable-pp-prop-kv-cache':^36} | "
         f"{'with --enable-pp-prop-kv-cache':^36}"
     )
-    sub = (
-        f"{'rank (layers)':14}|"
-        + f" {'KV MiB':>8} {'blocks':>7} {'tokens':>9} {'conc':>8} |" * 2
-    )
-    lines = [
-        f"KV budget --kv-cache-memory-bytes {budget / MiB:.0f} MiB, "
-        f"max_model_len {max_len:,}",
-        head,
-        sub,
-        "-" * len(sub),
-    ]
+    side = ["KV MiB", "blocks", "tokens", "conc", BAR]
     base, prop = runs["without"]["ranks"], runs["with"]["ranks"]
-    for a, b in zip(base, prop):
-        cells = [f"{a['rank']} ({a['layers']})".ljust(14) + "|"]
-        for r in (a, b):
-            cells.append(
-                f" {r['kv_bytes'] / MiB:>8.2f} {r['num_blocks']:>7,} "
-                f"{r['tokens']:>9,} {r['concurrency']:>7.2f}x |"
-            )
-        lines.append("".join(cells))
-    totals = [sum(r["kv_bytes"] for r in x) / MiB for x in (base, prop)]
-    lines.append("-" * len(sub))
-    lines.append(
-        f"{'total':14}| {totals[0]:>8.2f} {'':>27}| {totals[1]:>8.2f} {'':>27}|"
+    rows = [
+        [f"{a['rank']} ({a['layers']})", *_rank_cells(a), *_rank_cells(b)]
+        for a, b in zip(base, prop)
+    ]
+    totals = [_mib(sum(r["kv_bytes"] for r in x)) for x in (base, prop)]
+    rows.append(["total", totals[0], "", "", "", totals[1], "", "", ""])
+    sub, *body, total = render_table(
+        ["rank (layers)", BAR, *side, *side],
+        rows,
+        widths=[13, 1, 8, 7, 9, 8, 1, 8, 7, 9, 8, 1],
+        sep=" ",
     )
-    return "\n".join(lines)
+    rule = "-" * len(sub)
+    title = (
+        f"KV budget --kv-cache-memory-bytes {format_bytes(budget, 'MiB', digits=0)}"
+        f", max_model_len {max_len:,}"
+    )
+    return "\n".join([title, head, sub, rule, *body, rule, total])
+
+
+def _rank_cells(r: dict[str, Any]) -> list[str]:
+    return [
+        _mib(r["kv_bytes"]),
+        f"{r['num_blocks']:,}",
+        f"{r['tokens']:,}",
+        f"{r['concurrency']:.2f}x",
+    ]
+
+
+def _mib(num_bytes: int) -> str:
+    return format_bytes(num_bytes, "MiB", label=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,16 +138,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-_WORDS = (
+#: The documents' vocabulary; the tests read the same documents.
+WORDS = (
     "cache block layer page token memory host device copy stage pipeline "
     "budget window request batch prefix tier spill load hit miss engine"
 ).split()
 
 
-def _documents(n: int) -> list[str]:
+def documents(n: int) -> list[str]:
     """~1,000-token documents (8 CPU blocks each), distinct from each other."""
     return [
-        " ".join(_WORDS[(i * k + k) % len(_WORDS)] + str(k % 7) for i in range(400))
+        " ".join(WORDS[(i * k + k) % len(WORDS)] + str(k % 7) for i in range(400))
         + " question"
         for k in range(1, n + 1)
     ]
@@ -149,7 +156,7 @@ def _documents(n: int) -> list[str]:
 
 def host_tier_demo(model: Path, num_layers: int) -> dict[str, Any]:
     """Same workload with and without the host tier; second-pass TTFT."""
-    docs = _documents(12)
+    docs = documents(12)
     # A 128-token CPU block of the default tiny model served in float32: 2 KV
     # heads x 64 x 4 bytes x (K, V) = 128 KiB per layer. float32 because a
     # random model's logits are near ties, which bf16 rounding can flip.
@@ -179,25 +186,36 @@ def host_tier_demo(model: Path, num_layers: int) -> dict[str, Any]:
 
 
 def format_tier_table(runs: dict[str, dict[str, Any]]) -> str:
-    lines = [
-        f"{'second pass':14}| {'cached tokens':>14} | {'hit rate':>8} | "
-        f"{'mean TTFT ms':>12} | {'p90 TTFT ms':>11}",
-        "-" * 72,
-    ]
-    ttft = {}
+    rows, ttft = [], {}
     for name, r in runs.items():
         cached = sum(r["cached_tokens"][1])
         prompt = sum(r["prompt_tokens"])
         times = sorted(r["latency_s"][1])
         ttft[name] = sum(times) / len(times)
         p90 = times[int(0.9 * (len(times) - 1))]
-        lines.append(
-            f"{name:14}| {cached:>14,} | {cached / prompt:>8.0%} | "
-            f"{ttft[name] * 1e3:>12.1f} | {p90 * 1e3:>11.1f}"
+        rows.append(
+            [
+                name,
+                f"{cached:,}",
+                f"{cached / prompt:.0%}",
+                f"{ttft[name] * 1e3:.1f}",
+                f"{p90 * 1e3:.1f}",
+            ]
         )
-    same = runs["recompute"]["token_ids"] == runs["host tier"]["token_ids"]
-    lines.append(
-        f"TTFT {ttft['recompute'] / ttft['host tier']:.1f}x lower with the host tier; "
-        f"greedy output identical: {same}"
+    head, *body = render_table(
+        ["second pass", BAR, "cached tokens", BAR, "hit rate", BAR, "mean TTFT ms"]
+        + [BAR, "p90 TTFT ms"],
+        rows,
+        widths=[13, 1, 14],
+        sep=" ",
     )
-    return "\n".join(lines)
+    same = runs["recompute"]["token_ids"] == runs["host tier"]["token_ids"]
+    return "\n".join(
+        [
+            head,
+            "-" * 72,
+            *body,
+            f"TTFT {ttft['recompute'] / ttft['host tier']:.1f}x lower with the host "
+            f"tier; greedy output identical: {same}",
+        ]
+    )

@@ -9,13 +9,16 @@ table of what each rank got.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from vllm.logger import init_logger
 
 from vllm_kvmem import pp_prop
 from vllm_kvmem.config import KVMemConfig
-from vllm_kvmem.core.units import MiB, gib
+from vllm_kvmem.core import kv_math
+from vllm_kvmem.core.table import BAR, render_table
+from vllm_kvmem.core.units import gib, mib
 from vllm_kvmem.device_limits import limits_for
 
 logger = init_logger("vllm.kvmem.kv_budget")
@@ -73,29 +76,6 @@ def plan_kv_cache_configs(
 # ------------------------------------------------------------------- tokens
 
 
-def blocks_for_tokens(vllm_config: Any, groups: Sequence[Any], tokens: int) -> int:
-    """Fewest blocks whose capacity, as vLLM reports it, holds ``tokens``."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-
-    def capacity(blocks: int) -> int:
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
-        bpb = pool_bytes_per_block(vllm_config, groups)
-        cfg = get_kv_cache_config_from_groups(vllm_config, list(groups), blocks * bpb)
-        return get_kv_cache_capacity(vllm_config, cfg)[0]
-
-    lo, hi = 1, 1
-    while capacity(hi) < tokens:
-        lo, hi = hi + 1, hi * 2
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if capacity(mid) >= tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
-
-
 def pool_bytes_per_block(vllm_config: Any, groups: Sequence[Any]) -> int:
     from vllm.v1.core.kv_cache_utils import _pool_bytes_per_block
 
@@ -113,7 +93,11 @@ def token_budget_configs(
     groups = pp_prop.worker_groups(vllm_config, kv_cache_specs)
     # All ranks share one block table, so one block count; the largest count any
     # rank's groups need (they agree unless a stage lacks a group) wins.
-    blocks = max(blocks_for_tokens(vllm_config, g, tokens) for g in groups if g)
+    blocks = max(
+        kv_math.blocks_for_tokens(tokens, partial(_tokens_in, vllm_config, g))
+        for g in groups
+        if g
+    )
     if vllm_config.model_config.original_max_model_len != -1:
         _check_holds_a_sequence(vllm_config, groups, blocks, tokens)
     memory = [blocks * pool_bytes_per_block(vllm_config, g) if g else 0 for g in groups]
@@ -124,7 +108,7 @@ def token_budget_configs(
             fit = _tokens_in(vllm_config, groups[rank], limit // bpb)
             raise ValueError(
                 f"{TOKENS_FLAG} {tokens:,}: rank {rank} needs {blocks:,} blocks = "
-                f"{need / MiB:,.2f} MiB of KV cache, more than its device can hold "
+                f"{mib(need)} of KV cache, more than its device can hold "
                 f"({described[rank].describe()}). Use "
                 f"{TOKENS_FLAG} {fit:,} or less."
             )
@@ -133,7 +117,7 @@ def token_budget_configs(
         TOKENS_FLAG,
         f"{tokens:,}",
         blocks,
-        ", ".join(f"rank {r} {m / MiB:,.2f} MiB" for r, m in enumerate(memory)),
+        ", ".join(f"rank {r} {mib(m)}" for r, m in enumerate(memory)),
     )
     return original(vllm_config, kv_cache_specs, memory)
 
@@ -211,23 +195,30 @@ def log_startup_report(
     rows = report_rows(vllm_config, configs)
     extra = extra or {}
     max_len = vllm_config.model_config.max_model_len
-    head = (
-        f"  {'rank':>4} {'stage':>5} {'layers':>6} {'KV GiB':>8} {'blocks':>9} "
-        f"{'tokens':>11} {'conc':>8}"
-    )
+    headers = ["rank", "stage", "layers", "KV GiB", "blocks", "tokens", "conc"]
+    widths = [4, 5, 6, 8, 9, 11, 8]
     if extra:
-        head += " | " + " ".join(f"{k:>{max(10, len(k))}}" for k in extra)
-    lines = [f"KV cache per rank ({title}; max_model_len {max_len:,}):", head]
-    for i, r in enumerate(rows):
-        line = (
-            f"  {r['rank']:>4} {r['stage']:>5} {r['layers']:>6} "
-            f"{r['kv_bytes'] / (1 << 30):>8.3f} {r['blocks']:>9,} "
-            f"{r['tokens']:>11,} {r['concurrency']:>7.2f}x"
-        )
-        if extra:
-            line += " | " + " ".join(
-                f"{v[i]:>{max(10, len(k))}}" for k, v in extra.items()
+        headers += [BAR, *extra]
+        widths += [1, *(10 for _ in extra)]
+    table = render_table(
+        headers,
+        [
+            (
+                r["rank"],
+                r["stage"],
+                r["layers"],
+                gib(r["kv_bytes"], 3),
+                f"{r['blocks']:,}",
+                f"{r['tokens']:,}",
+                f"{r['concurrency']:.2f}x",
+                *(v[i] for v in extra.values()),
             )
-        lines.append(line)
-    lines += list(trailer)
-    logger.info("\n".join(lines))
+            for i, r in enumerate(rows)
+        ],
+        widths=widths,
+        left=0,
+        sep=" ",
+        indent="  ",
+    )
+    title = f"KV cache per rank ({title}; max_model_len {max_len:,}):"
+    logger.info("\n".join([title, *table, *trailer]))

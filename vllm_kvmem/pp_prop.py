@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 
 from vllm_kvmem.config import ADDITIONAL_CONFIG_KEY, KVMemConfig
 from vllm_kvmem.core import pp_split
-from vllm_kvmem.core.units import MiB, flag_size, gib
+from vllm_kvmem.core.units import flag_size, gib, mib
 from vllm_kvmem.device_limits import DeviceLimit, limits_for
 
 logger = init_logger("vllm.kvmem.pp_prop")
@@ -260,10 +260,10 @@ def _check_shares_fit_devices(
             ok = pp_split.max_budget_for(stages.limits, stages.bpb)
             raise ValueError(
                 f"{FLAG}: rank {stages.limit_rank[s]} (pipeline stage {s}) gets "
-                f"{_mib(share.share_bytes)} of the {_mib(budget)} {BUDGET_FLAG} "
+                f"{mib(share.share_bytes)} of the {mib(budget)} {BUDGET_FLAG} "
                 f"budget, more than its device can hold "
                 f"({stages.described[stages.limit_rank[s]].describe()}). Use "
-                f"`{BUDGET_FLAG} {_flag_floor(ok)}` or "
+                f"`{BUDGET_FLAG} {flag_size(ok, round_up=False)}` or "
                 f"less, or move layers off this stage with VLLM_PP_LAYER_PARTITION."
             )
 
@@ -281,28 +281,12 @@ def _check_shares_hold_a_sequence(
             ok = pp_split.min_budget_for(needs, stages.bpb)
             raise ValueError(
                 f"{FLAG}: rank {stages.first_rank[s]} (pipeline stage {s}) gets "
-                f"{_mib(share.share_bytes)} ({share.num_blocks} blocks) of the "
-                f"{_mib(budget)} {BUDGET_FLAG} budget, less than the {_mib(need)} "
+                f"{mib(share.share_bytes)} ({share.num_blocks} blocks) of the "
+                f"{mib(budget)} {BUDGET_FLAG} budget, less than the {mib(need)} "
                 f"({need // share.bytes_per_block} blocks, with vLLM's null block) "
                 f"one {max_len:,}-token sequence needs there. Use "
                 f"`{BUDGET_FLAG} {flag_size(ok)}` or more, or lower --max-model-len."
             )
-
-
-def _mib(num_bytes: int) -> str:
-    """Exact enough to tell two close sizes apart in an error message."""
-    return f"{num_bytes / MiB:,.2f} MiB"
-
-
-def _flag_floor(num_bytes: int) -> str:
-    mib = num_bytes >> 20
-    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
-
-
-def _capacity(vllm_config: Any, config: Any) -> tuple[int, float]:
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
-    return get_kv_cache_capacity(vllm_config, config)
 
 
 def comparison_columns(
@@ -334,8 +318,8 @@ def comparison_columns(
         base = get_kv_cache_config_from_groups(vllm_config, g, base_blocks * b)
         tokens, conc = get_kv_cache_capacity(vllm_config, base)
         base_bytes.append(base.num_blocks * b)
-        cols["share GiB"].append(f"{share / (1 << 30):.3f}")
-        cols["w/o flag: KV GiB"].append(f"{base_bytes[-1] / (1 << 30):.3f}")
+        cols["share GiB"].append(gib(share, 3))
+        cols["w/o flag: KV GiB"].append(gib(base_bytes[-1], 3))
         cols["tokens"].append(f"{tokens:,}")
         cols["conc"].append(f"{conc:.2f}x")
     firsts = [list(stage).index(s) for s in sorted(set(stage))]  # one TP shard

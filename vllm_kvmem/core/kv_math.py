@@ -13,78 +13,19 @@ Each function names the vLLM code it mirrors (paths under ``vllm/``):
   and ``get_kv_cache_configs`` (v1/core/kv_cache_utils.py);
 * what vLLM prints as "KV cache size: N tokens" and "Maximum concurrency":
   ``get_kv_cache_capacity`` / ``get_max_concurrency_for_kv_cache_config``;
-* the default layer split: ``get_pp_indices`` (distributed/utils.py);
-* size flags such as ``5G``: ``human_readable_int`` (utils/argparse_utils.py).
+* the default layer split: ``get_pp_indices`` (distributed/utils.py).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
 
 from vllm_kvmem.core import pp_split
-from vllm_kvmem.core.units import human_bytes
-
-# ------------------------------------------------------------------ sizes
-
-
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_size(value: str | int, *, flag: str = "size") -> int:
-    """Parse a size the way vLLM's ``human_readable_int`` does.
-
-    ``k/m/g/t`` are decimal and take decimals (``1.5g`` = 1,500,000,000);
-    ``K/M/G/T`` are binary and refuse decimals (``5G`` = 5 * 2**30); anything
-    else must be a plain integer. Mirrored rather than imported so that the
-    core stays importable without vLLM; a size that parses here parses there.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    text = str(value).strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
-    if match:
-        number, suffix = match.groups()
-        if suffix in _DECIMAL:
-            return int(float(number) * _DECIMAL[suffix])
-        if "." in number:
-            raise ValueError(
-                f"{flag}={text!r}: decimals are not allowed with binary suffixes "
-                f"like {suffix}; use {number}{suffix.lower()} (decimal) or a whole "
-                f"number of {suffix}iB, e.g. {int(float(number) * 1024)}"
-                f"{_smaller(suffix)}"
-            )
-        return int(number) * _BINARY[suffix]
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"{flag}={text!r} is not a size; use bytes (400000), binary units "
-            "(512M, 5G, 1T) or decimal units (1.5g, 400k)"
-        ) from None
-
-
-def _smaller(suffix: str) -> str:
-    return {"K": "", "M": "K", "G": "M", "T": "G"}[suffix]
-
-
-def parse_positive_size(value: str | int, *, flag: str) -> int:
-    """A size that must be > 0 (budgets, device memory)."""
-    n = parse_size(value, flag=flag)
-    if n <= 0:
-        raise ValueError(f"{flag}={value!r}: must be positive, e.g. 5G or 400000")
-    return n
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division, like ``vllm.utils.math_utils.cdiv``."""
-    return -(a // -b)
-
+from vllm_kvmem.core.units import cdiv, format_bytes
 
 # ----------------------------------------------------------------- dtypes
 
@@ -222,12 +163,6 @@ class LayerKV:
             )
             return cdiv(num_tokens, block_size) + 1
         return cdiv(max_model_len, block_size)
-
-    def describe(self, tp: int = 1) -> str:
-        """``heads x (K + V) dims`` as one rank stores it."""
-        if self.kind is LayerKind.MLA:
-            return f"1 latent x {self.head_size}"
-        return f"{self.kv_heads_per_rank(tp)} x ({self.head_size}+{self.head_size_v})"
 
 
 def full_attention(
@@ -499,27 +434,29 @@ def vllm_capacity(
 
 
 def blocks_for_tokens(
-    tokens: int, *, blocks_per_request: int, max_model_len: int
+    tokens: int, capacity: Callable[[int], int], *, guess: int = 1
 ) -> int:
     """Blocks a ``--kv-cache-tokens`` budget buys: the fewest whose capacity,
-    as vLLM logs it (:func:`vllm_capacity`), is at least ``tokens``.
+    as vLLM logs it (``capacity(blocks)``, never falling as blocks grow), is
+    at least ``tokens``.
 
-    For full attention with ``max_model_len`` a multiple of the block size
-    that is ``ceil(tokens / block_size)``. The null block is one of them, so
-    the scheduler can use one block less than vLLM logs.
+    The planner passes :func:`vllm_capacity` and a close ``guess``; the engine
+    passes vLLM's own ``get_kv_cache_capacity`` over its KV cache groups. The
+    null block is one of the blocks, so the scheduler can use one block less
+    than vLLM logs.
     """
     if tokens <= 0:
         raise ValueError(f"--kv-cache-tokens={tokens}: must be positive, e.g. 400000")
-
-    def logged(blocks: int) -> int:
-        return vllm_capacity(blocks, blocks_per_request, max_model_len)[0]
-
-    blocks = max(1, cdiv(tokens * blocks_per_request, max_model_len))
-    while blocks > 1 and logged(blocks - 1) >= tokens:  # float rounding
-        blocks -= 1
-    while logged(blocks) < tokens:
-        blocks += 1
-    return blocks
+    lo, hi = 1, max(1, guess)
+    while capacity(hi) < tokens:
+        lo, hi = hi + 1, hi * 2
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if capacity(mid) >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 def min_tokens(blocks_per_request: int, max_model_len: int) -> int:
@@ -653,7 +590,9 @@ def capacity_for_tokens(
     ``blocks_for_tokens(tokens) * bytes_per_block`` of its own.
     """
     blocks = blocks_for_tokens(
-        tokens, blocks_per_request=blocks_per_request, max_model_len=max_model_len
+        tokens,
+        lambda n: vllm_capacity(n, blocks_per_request, max_model_len)[0],
+        guess=cdiv(tokens * blocks_per_request, max_model_len),
     )
     budgets = [blocks * b for b in bytes_per_block]
     return _capacity(
@@ -869,9 +808,9 @@ def best_partition(
         first, last = cost.first_stage_bytes, cost.last_stage_bytes
         weights = sum(cost.layer_weights) + first + last
         raise ValueError(
-            f"the weights ({human_bytes(weights)}, over {cost.tp} GPU(s) per stage) "
-            f"do not fit devices of {', '.join(human_bytes(d) for d in devices)} "
-            f"with {human_bytes(reserve)} reserved on each, under any layer "
+            f"the weights ({format_bytes(weights)}, over {cost.tp} GPU(s) per stage) "
+            f"do not fit devices of {', '.join(format_bytes(d) for d in devices)} "
+            f"with {format_bytes(reserve)} reserved on each, under any layer "
             "partition; use more or larger devices, a quantized checkpoint or a "
             "larger --tensor-parallel-size"
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm_kvmem.core.units import cdiv
+
 
 @dataclass(frozen=True)
 class StageShare:
@@ -45,16 +47,11 @@ def split_budget(total_bytes: int, bytes_per_block: Sequence[int]) -> list[Stage
     ]
 
 
-def blocks_for_budget(total_bytes: int, bytes_per_block: Sequence[int]) -> int:
-    """Blocks every stage gets from a pipeline-wide budget."""
-    return total_bytes // sum(bytes_per_block)
-
-
 def min_budget_for(needed_bytes: Sequence[int], bytes_per_block: Sequence[int]) -> int:
     """Smallest pipeline-wide budget whose share covers every stage's need."""
     total_bpb = sum(bytes_per_block)
     return max(
-        -(-need * total_bpb // b) for need, b in zip(needed_bytes, bytes_per_block)
+        cdiv(need * total_bpb, b) for need, b in zip(needed_bytes, bytes_per_block)
     )
 
 
@@ -63,7 +60,7 @@ def max_budget_for(limits: Sequence[int], bytes_per_block: Sequence[int]) -> int
     total_bpb = sum(bytes_per_block)
     # floor(T * b / S) <= limit  <=>  T < (limit + 1) * S / b
     return min(
-        -(-(limit + 1) * total_bpb // b) - 1
+        cdiv((limit + 1) * total_bpb, b) - 1
         for limit, b in zip(limits, bytes_per_block)
     )
 

@@ -1,10 +1,13 @@
-"""What each rank of a running engine actually allocated for KV cache.
+"""The demo's engine harness: what each rank of a running engine allocated.
 
-Used by the demo, the tests and the benchmarks to read the truth from the
-workers (tensor storage sizes, block counts) rather than from log lines.
-``python -m vllm_kvmem.engine_report '{"model": ..., ...}'`` starts an engine
+``kvmem demo`` starts every engine through this module, in a subprocess, and
+reads the truth from the workers (tensor storage sizes, block counts) rather
+than from log lines; the tests and benchmarks borrow it for the same reason.
+``python -m vllm_kvmem.demo_engine '{"model": ..., ...}'`` starts an engine
 with those ``LLM`` keyword arguments, generates a few tokens and prints one
-``KVMEM_REPORT {json}`` line.
+``KVMEM_REPORT {json}`` line. Its subprocesses allow callables in
+``LLM.collective_rpc`` (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``): a local
+demo's engines only, never a server's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import sys
 from typing import Any
 
 REPORT_PREFIX = "KVMEM_REPORT "
+# Pipeline parallel on CPU cannot run with enforce_eager (the first PP step
+# asserts on intermediate tensors): compile with the eager backend instead.
+PP_COMPILATION = {"mode": 2, "backend": "eager"}
 
 
 def engine_env(**extra: str) -> dict[str, str]:
@@ -49,7 +55,7 @@ def run_subprocess(
         [
             sys.executable,
             "-m",
-            "vllm_kvmem.engine_report",
+            "vllm_kvmem.demo_engine",
             json.dumps(llm_kwargs),
             json.dumps(workload or {}),
         ],

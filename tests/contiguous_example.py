@@ -1,11 +1,13 @@
 """The smallest connector that opts in to the contiguous KV layout.
 
-It moves no data: it exists to show the opt-in and to let tests check which
-layout the engine resolves and what the workers register. Use it with::
+A test double, not shipped with the package: it moves no data, and exists to
+show the opt-in and to let tests check which layout the engine resolves and
+what the workers register. From the repository root (where the tests start
+their engines) use it with::
 
     kv_transfer_config={
         "kv_connector": "ContiguousLayoutExampleConnector",
-        "kv_connector_module_path": "vllm_kvmem.connectors.contiguous_example",
+        "kv_connector_module_path": "tests.contiguous_example",
         "kv_role": "kv_both",
     }
 """

@@ -1,0 +1,155 @@
+"""Helpers the test modules share; fixtures stay in conftest.py.
+
+Test modules import from here, never from each other, so that each test file
+can be read, moved or deleted on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_kvmem.demo import documents
+from vllm_kvmem.demo_engine import engine_env as demo_engine_env
+from vllm_kvmem.demo_engine import run_subprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_TIMEOUT_S = 420
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """The demo's engine environment, with vLLM's INFO lines the tests read."""
+    return demo_engine_env(VLLM_LOGGING_LEVEL="INFO", **extra)
+
+
+@dataclass
+class EngineRun:
+    returncode: int
+    log: str
+    report: dict[str, Any] | None
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        assert self.report is not None, self.log[-4000:]
+        return self.report["ranks"]
+
+
+def run_engine(
+    llm_kwargs: dict[str, Any], workload: dict[str, Any] | None = None, **env: str
+) -> EngineRun:
+    """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank.
+
+    ``workload``: ``prompts``, ``max_tokens``, ``rounds`` and ``sequential`` for
+    ``vllm_kvmem.demo_engine.run``. The engine starts in the repository root,
+    so ``tests.*`` modules (the example connector) import there.
+    """
+    code, log, report = run_subprocess(
+        llm_kwargs,
+        workload,
+        timeout=ENGINE_TIMEOUT_S,
+        cwd=str(ROOT),
+        VLLM_LOGGING_LEVEL="INFO",
+        **env,
+    )
+    return EngineRun(code, log, report)
+
+
+def import_script(path: Path) -> Iterator[Any]:
+    """Import a script under ``benchmarks/`` as a module for the duration of a
+    fixture (a generator: yields the module, then unregisters it)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@contextlib.contextmanager
+def captured_log(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records logged to ``name`` (or a child) while the block runs.
+
+    vLLM's loggers do not propagate to the root logger, so pytest's caplog
+    never sees them; a handler on the logger itself does.
+    """
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def messages(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records]
+
+
+def engine_args_from_cli(*argv: str) -> Any:
+    """``AsyncEngineArgs`` parsed from command-line flags, as ``vllm serve``."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    return AsyncEngineArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+# -- the host tier's engine workload ----------------------------------------
+
+# float32: a random-weight model's logits are near ties, and bf16 rounding of
+# a different batch shape (a prefix loaded vs recomputed) can flip a greedy
+# choice; in float32 the comparison tests the tier, not the rounding.
+HOST_TIER_DTYPE = "float32"
+DEVICE_KV = 24 << 20  # 24 blocks of 128 tokens of model_8l (1 MiB each in float32)
+HOST_KV = 256 << 20
+
+
+def host_tier_workload(num_docs: int = 12) -> dict[str, Any]:
+    """The demo's documents read twice: ~1,000 tokens (8 blocks) each, so 12
+    documents are 96 blocks, 4x the device cache of :func:`host_tier_kwargs`."""
+    return {"prompts": documents(num_docs), "max_tokens": 8, "rounds": 2}
+
+
+def host_tier_kwargs(model: Path, host: bool, **extra: Any) -> dict[str, Any]:
+    """``LLM`` arguments for ``model`` with a small device KV cache and, when
+    ``host``, the host tier."""
+    kw = dict(
+        model=str(model),
+        kv_cache_memory_bytes=DEVICE_KV,
+        max_model_len=2048,
+        max_num_seqs=2,
+        dtype=HOST_TIER_DTYPE,
+        **extra,
+    )
+    if host:
+        kw["kv_host_cache_bytes"] = HOST_KV
+    return kw
+
+
+# -- the planner against the engine -----------------------------------------
+
+
+def assert_agrees(run: EngineRun, cap: Any, max_len: int) -> None:
+    """Every rank of ``run`` allocated what the planner's ``cap`` predicts."""
+    assert run.returncode == 0, run.log[-4000:]
+    ranks = run.ranks
+    assert len(ranks) == len(cap.stages)
+    for r, st in zip(ranks, cap.stages):
+        assert r["layers"] == st.num_layers
+        assert r["num_blocks"] == st.num_blocks == cap.num_blocks
+        assert r["kv_bytes"] == st.kv_bytes
+        assert r["tokens"] == cap.tokens
+        assert r["concurrency"] == pytest.approx(cap.concurrency)
+        assert r["max_model_len"] == max_len

@@ -1,1 +1,0 @@
-"""KV connectors shipped with vllm-kvmem."""
