@@ -139,3 +139,34 @@ def test_kv_cache_tokens_and_bytes_are_mutually_exclusive(model_8l, monkeypatch)
         args.create_engine_config()
     assert "--kv-cache-tokens 4,096" in str(e.value)
     assert "--kv-cache-memory-bytes 67,108,864" in str(e.value)
+
+
+def test_options_are_parsed_once_per_process(monkeypatch):
+    """Every patch in a process asks for the options; the same mapping is
+    validated once, a changed one again, and strictness survives the cache."""
+    from types import SimpleNamespace
+
+    from vllm_kvmem import config as config_module
+
+    config_module._parse_items.cache_clear()
+    parsed = []
+    validate = KVMemConfig.model_validate.__func__
+
+    def counting(cls, raw, *args, **kwargs):
+        parsed.append(dict(raw))
+        return validate(cls, raw, *args, **kwargs)
+
+    monkeypatch.setattr(KVMemConfig, "model_validate", classmethod(counting))
+    vllm_config = SimpleNamespace(additional_config={"kvmem": {"kv_cache_tokens": 7}})
+    first = KVMemConfig.from_vllm_config(vllm_config)
+    assert KVMemConfig.from_vllm_config(vllm_config) is first
+    assert parsed == [{"kv_cache_tokens": 7}]
+    vllm_config.additional_config["kvmem"] = {"kv_cache_tokens": 8}
+    assert KVMemConfig.from_vllm_config(vllm_config).kv_cache_tokens == 8
+    assert len(parsed) == 2
+    # True == 1, but a strict bool option refuses 1 even after True was cached.
+    vllm_config.additional_config["kvmem"] = {"enable_pp_prop_kv_cache": True}
+    assert KVMemConfig.from_vllm_config(vllm_config).enable_pp_prop_kv_cache
+    vllm_config.additional_config["kvmem"] = {"enable_pp_prop_kv_cache": 1}
+    with pytest.raises(ValueError, match="--enable-pp-prop-kv-cache"):
+        KVMemConfig.from_vllm_config(vllm_config)

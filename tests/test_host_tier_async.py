@@ -41,6 +41,15 @@ def _engine(model, **extra):
     return llm, core.scheduler, core.scheduler.connector
 
 
+def _filled(model, monkeypatch, max_tokens, **extra):
+    """An engine whose host tier holds the workload's documents (their first
+    outputs returned), recording every later step's connector metadata."""
+    llm, sched, tier = _engine(model, **extra)
+    docs = host_tier_workload()["prompts"]
+    first = llm.generate(docs, _params(max_tokens), use_tqdm=False)
+    return llm, sched, tier, docs, first, _record_metas(monkeypatch, sched)
+
+
 def _params(n):
     from vllm import SamplingParams
 
@@ -71,10 +80,9 @@ def test_host_hit_loads_in_bounded_chunks_while_others_decode(
 ):
     from vllm.v1.request import RequestStatus
 
-    llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=2 * BLOCK_BYTES)
-    docs = host_tier_workload()["prompts"]
-    first = llm.generate(docs, _params(8), use_tqdm=False)  # fills the host tier
-    metas = _record_metas(monkeypatch, sched)
+    llm, sched, tier, docs, first, metas = _filled(
+        model_8l, monkeypatch, 8, kv_host_cache_step_bytes=2 * BLOCK_BYTES
+    )
     engine = llm.llm_engine
     engine.add_request("A", "an unrelated request that keeps decoding", _params(60))
     engine.step()  # A's prefill
@@ -106,10 +114,9 @@ def test_hit_within_the_step_budget_runs_in_the_same_step(
 ):
     from vllm.v1.request import RequestStatus
 
-    llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=8 * BLOCK_BYTES)
-    docs = host_tier_workload()["prompts"]
-    first = llm.generate(docs, _params(4), use_tqdm=False)  # fills the host tier
-    metas = _record_metas(monkeypatch, sched)
+    llm, sched, tier, docs, first, metas = _filled(
+        model_8l, monkeypatch, 4, kv_host_cache_step_bytes=8 * BLOCK_BYTES
+    )
     engine = llm.llm_engine
     engine.add_request("B1", docs[0], _params(4))
     engine.add_request("B2", docs[1], _params(4))

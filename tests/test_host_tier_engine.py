@@ -115,6 +115,11 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched)
         counters.dropped_blocks - dropped
     )
     assert tier.host_bytes_in_use() == in_use + new_blocks * tier.pipeline_slot_bytes
+    # The slot size the scheduler sized the tier with (from the KV cache
+    # configs) is what the worker's copy engine allocated from the real tensors.
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    assert get_kv_transfer_group()._engine.pool.slot_bytes == tier.pipeline_slot_bytes
     assert pool.get_num_free_blocks() == free
     # ... and the engine still serves the same prefix from the host tier.
     monkeypatch.setattr(sched, "schedule", schedule)

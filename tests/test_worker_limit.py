@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_kvmem import pp_prop
+from vllm_kvmem import kv_budget, vllm_adapter
 from vllm_kvmem.device_limits import DeviceLimit
 
 
@@ -31,17 +31,19 @@ def test_gpu_limit_is_free_device_memory_after_profiling(monkeypatch):
 
     monkeypatch.setattr(torch.accelerator, "get_memory_info", fake_memory_info)
     worker = _worker("cuda:0")
-    assert pp_prop.device_kv_limit(worker) == 7 << 30
+    assert vllm_adapter.free_device_bytes(worker) == 7 << 30
     assert seen == [torch.device("cuda:0")]
     # vLLM held 64 MiB of the budget back (multimodal IPC): hold it back here too.
-    limit = DeviceLimit(free=pp_prop.device_kv_limit(worker), mm_reserved=64 << 20)
-    assert pp_prop.report_device_limit(worker, limit) == (7 << 30) - (64 << 20)
+    limit = DeviceLimit(
+        free=vllm_adapter.free_device_bytes(worker), mm_reserved=64 << 20
+    )
+    assert kv_budget.report_device_limit(worker, limit) == (7 << 30) - (64 << 20)
 
 
 def test_cpu_limit_is_the_numa_nodes_available_memory():
     import psutil
 
-    limit = pp_prop.device_kv_limit(_worker("cpu"))
+    limit = vllm_adapter.free_device_bytes(_worker("cpu"))
     assert 0 < limit <= psutil.virtual_memory().total
 
 
@@ -110,13 +112,13 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     )
     _on_a_gpu_platform(monkeypatch)
     worker = _gpu_worker(cfg, graph_bytes=300 << 20)
-    limit = device_limits.measure(worker, _explicit_path_tail, pp_prop.device_kv_limit)
+    limit = device_limits.measure(worker, _explicit_path_tail)
     assert limit.free == 7 << 30
     assert limit.cuda_graphs == 300 << 20
     assert worker.cudagraph_memory_estimate == 300 << 20  # vLLM compares later
     assert limit.staging == DEFAULT_MAX_STAGING_BYTES
     assert limit.kv_bytes == (7 << 30) - (300 << 20) - DEFAULT_MAX_STAGING_BYTES
-    assert pp_prop.report_device_limit(worker, limit) == limit.kv_bytes
+    assert kv_budget.report_device_limit(worker, limit) == limit.kv_bytes
     # The tier's opt-in layout (BLHNC) copies blocks directly: no staging.
     cfg.cache_config.kv_cache_layout = "BLHNC"
     assert device_limits.staging_reserve_bytes(cfg) == 0
@@ -133,7 +135,7 @@ def test_gpu_limit_without_graphs_or_tier_is_free_memory(model_8l, monkeypatch):
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE  # enforce_eager
     _on_a_gpu_platform(monkeypatch)
     worker = _gpu_worker(cfg, graph_bytes=300 << 20)
-    limit = device_limits.measure(worker, _explicit_path_tail, pp_prop.device_kv_limit)
+    limit = device_limits.measure(worker, _explicit_path_tail)
     assert (limit.cuda_graphs, limit.staging, limit.mm_reserved) == (0, 0, 0)
     assert limit.kv_bytes == 7 << 30
 
@@ -152,7 +154,7 @@ def test_token_budget_with_multimodal_ipc_reservation_starts(model_8l, monkeypat
     worker = _gpu_worker(cfg, graph_bytes=0)
     with pytest.raises(ValueError):  # the hazard is real: vLLM alone refuses
         _explicit_path_tail(worker)
-    limit = device_limits.measure(worker, _explicit_path_tail, pp_prop.device_kv_limit)
+    limit = device_limits.measure(worker, _explicit_path_tail)
     assert limit.mm_reserved == 256 << 20
     assert limit.kv_bytes == (7 << 30) - (256 << 20)
     assert cfg.cache_config.kv_cache_memory_bytes == 1  # placeholder restored

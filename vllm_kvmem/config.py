@@ -9,6 +9,7 @@ ships to the engine core and to every worker process.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -149,8 +150,38 @@ class KVMemConfig(BaseModel):
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> KVMemConfig:
+        """The options a ``VllmConfig`` carries, parsed once per process.
+
+        Every patch that runs in a process asks for them; a mapping with the
+        same items is validated only the first time (errors are not cached).
+        """
         additional = getattr(vllm_config, "additional_config", None) or {}
-        return cls.parse(additional.get(ADDITIONAL_CONFIG_KEY))
+        raw = additional.get(ADDITIONAL_CONFIG_KEY)
+        if not isinstance(raw, dict):
+            return cls.parse(raw)
+        try:
+            # Types in the key: True == 1 and 1.0 == 1, but strict parsing
+            # accepts only one of each pair.
+            key = tuple((k, type(v), v) for k, v in sorted(raw.items()))
+            return _parse_items(key)
+        except TypeError:  # an unhashable value: parse() says what is wrong
+            return cls.parse(raw)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_items(key: tuple[tuple[str, type, Any], ...]) -> KVMemConfig:
+    return KVMemConfig.parse({k: v for k, _, v in key})
+
+
+def store_normalised(vllm_config: Any) -> KVMemConfig:
+    """Write the parsed options back into ``additional_config`` normalised
+    (sizes as integers, only the options given), so that the engine core and
+    every worker read the same mapping; changes ``vllm_config``."""
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
+    additional = vllm_config.additional_config
+    if ADDITIONAL_CONFIG_KEY in additional:
+        additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(exclude_unset=True)
+    return cfg
 
 
 def merge_options(

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_kvmem.core.stats import percentile
 from vllm_kvmem.core.table import BAR, render_table
 from vllm_kvmem.core.units import format_bytes
 from vllm_kvmem.demo_engine import PP_COMPILATION, run_subprocess
@@ -190,9 +191,9 @@ def format_tier_table(runs: dict[str, dict[str, Any]]) -> str:
     for name, r in runs.items():
         cached = sum(r["cached_tokens"][1])
         prompt = sum(r["prompt_tokens"])
-        times = sorted(r["latency_s"][1])
+        times = r["latency_s"][1]
         ttft[name] = sum(times) / len(times)
-        p90 = times[int(0.9 * (len(times) - 1))]
+        p90 = percentile(times, 90)
         rows.append(
             [
                 name,

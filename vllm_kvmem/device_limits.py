@@ -26,15 +26,12 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kvmem.core.units import MiB
+from vllm_kvmem.core.units import gib, mib
 
 logger = init_logger("vllm.kvmem.device_limits")
 
 RUNTIME_KEY = "kvmem_runtime"
 _WORKER_ATTR = "_kvmem_device_limit"
-# Larger than any reservation, so that vLLM's function returns instead of
-# raising and the difference is the reservation.
-_PROBE_BYTES = 1 << 60
 
 
 @dataclass(frozen=True)
@@ -57,35 +54,19 @@ class DeviceLimit:
 
     def describe(self) -> str:
         """``X MiB free after loading the model, less ... = Y MiB``."""
-        text = f"{_mib(self.free)} free after loading the model"
+        text = f"{mib(self.free)} free after loading the model"
         less = [
             (self.mm_reserved, "vLLM's multimodal IPC reservation"),
             (self.cuda_graphs, "vLLM's CUDA graph estimate"),
             (self.staging, "the host KV tier's staging buffer"),
         ]
-        parts = [f"less {_mib(n)} for {what}" for n, what in less if n]
+        parts = [f"less {mib(n)} for {what}" for n, what in less if n]
         if not parts:
             return text
-        return f"{text}, {', '.join(parts)}: {_mib(self.kv_bytes)}"
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / MiB:,.2f} MiB"
+        return f"{text}, {', '.join(parts)}: {mib(self.kv_bytes)}"
 
 
 # ------------------------------------------------------------------- workers
-
-
-def mm_reservation_bytes(vllm_config: Any) -> int:
-    """What vLLM keeps off the KV cache for frontend multimodal GPU work, from
-    vLLM's own ``reserve_mm_ipc_gpu_memory``."""
-    mm_config = vllm_config.model_config.multimodal_config
-    if mm_config is None:
-        return 0
-    from vllm.multimodal.gpu_ipc_memory import reserve_mm_ipc_gpu_memory
-
-    count = getattr(vllm_config.parallel_config, "_api_process_count", 1)
-    return _PROBE_BYTES - reserve_mm_ipc_gpu_memory(_PROBE_BYTES, mm_config, count)
 
 
 def cuda_graph_estimate_bytes(worker: Any) -> int:
@@ -106,9 +87,9 @@ def cuda_graph_estimate_bytes(worker: Any) -> int:
     worker.cudagraph_memory_estimate = estimate
     if not envs.VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS:
         logger.warning(
-            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0: the %.2f GiB that CUDA "
+            "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0: the %s GiB that CUDA "
             "graphs are estimated to take is not kept off the KV cache limit.",
-            estimate / (1 << 30),
+            gib(estimate),
         )
         return 0
     return estimate
@@ -134,10 +115,11 @@ def staging_reserve_bytes(vllm_config: Any) -> int:
     return DEFAULT_MAX_STAGING_BYTES
 
 
-def measure(worker: Any, original: Any, device_free: Any) -> DeviceLimit:
+def measure(worker: Any, original: Any) -> DeviceLimit:
     """Run vLLM's ``determine_available_memory`` (profile run, vLLM's checks),
-    then measure this worker's limit. ``device_free(worker)`` reads free
-    device memory."""
+    then measure this worker's limit."""
+    from vllm_kvmem.vllm_adapter import free_device_bytes, mm_reservation_bytes
+
     config = worker.cache_config
     mm = mm_reservation_bytes(worker.vllm_config)
     # A token budget runs vLLM's explicit path with a placeholder smaller than
@@ -145,7 +127,7 @@ def measure(worker: Any, original: Any, device_free: Any) -> DeviceLimit:
     with _budget_at_least(config, mm + 1):
         held_back = config.kv_cache_memory_bytes - original(worker)
     limit = DeviceLimit(
-        free=device_free(worker),
+        free=free_device_bytes(worker),
         mm_reserved=max(0, held_back),
         cuda_graphs=cuda_graph_estimate_bytes(worker),
         staging=staging_reserve_bytes(worker.vllm_config),

@@ -39,8 +39,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.logger import init_logger
 
+from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core.host_index import HostBlockIndex
+from vllm_kvmem.core.units import MiB, cdiv, gib
 from vllm_kvmem.layout import ContiguousKVLayoutMixin
 
 logger = init_logger("vllm.kvmem.host_tier")
@@ -70,16 +72,16 @@ def notify_evicted(block: Any) -> None:
 # ------------------------------------------------------------ startup
 
 
-def prepare_engine_args(engine_args: Any) -> None:
-    """Turn ``--kv-host-cache-bytes`` into vLLM's connector config (API server).
+def add_connector_config(engine_args: Any) -> None:
+    """Turn ``--kv-host-cache-bytes`` into vLLM's connector config (API server;
+    changes ``engine_args``).
 
     Fails at startup, before any worker starts, on a size the host cannot hold
     or a conflicting connector.
     """
     from vllm.config import KVTransferConfig
 
-    additional = engine_args.additional_config or {}
-    cfg = KVMemConfig.parse(additional.get("kvmem"))
+    cfg = KVMemConfig.from_vllm_config(engine_args)  # same field on EngineArgs
     if cfg.kv_host_cache_bytes is None:
         return
     size = cfg.kv_host_cache_bytes
@@ -149,57 +151,37 @@ def _check_host_memory(engine_args: Any, size: int) -> None:
     total = size * pools
     available = psutil.virtual_memory().available
     limit = int(available * HOST_MEMORY_FRACTION)
-    gib = 1 << 30
     how = (
-        f"{size / gib:.2f} GiB x {tp} TP x {dp_local} DP-local = "
-        f"{total / gib:.2f} GiB on this node, limit {HOST_MEMORY_FRACTION:.0%} of "
-        f"the {available / gib:.2f} GiB of host memory available = "
-        f"{limit / gib:.2f} GiB"
+        f"{gib(size)} GiB x {tp} TP x {dp_local} DP-local = "
+        f"{gib(total)} GiB on this node, limit {HOST_MEMORY_FRACTION:.0%} of "
+        f"the {gib(available)} GiB of host memory available = "
+        f"{gib(limit)} GiB"
     )
     if total > limit:
         raise ValueError(
             f"{SIZE_FLAG} {size:,} bytes does not fit this node: every "
             f"tensor-parallel rank of every local data-parallel rank holds its own "
             f"pool, pinned on CUDA so it cannot be swapped ({how}). Use "
-            f"{SIZE_FLAG} {(limit // pools) >> 20}M or less."
+            f"{SIZE_FLAG} {(limit // pools) // MiB}M or less."
         )
     logger.info("Host KV tier memory check: %s.", how)
 
 
-# ------------------------------------------------------------ sizing helpers
+# ------------------------------------------------------------ sizing
 
 
-def pipeline_slot_bytes(kv_cache_configs: list[Any]) -> int:
-    """Host bytes of one block summed over pipeline stages (one TP shard).
+def size_host_tier(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
+    """Size the host tier from every rank's KV cache config: the number of
+    host slots, and the bytes of one slot over the pipeline (one TP shard).
 
-    TP ranks of a stage hold the same layers, so stages are told apart by
-    their layer sets; a slot on a stage holds every layer's page of a block.
+    Runs in the engine core (after the budget) and in every worker (before
+    its KV cache is allocated) on the same configs, so all processes agree;
+    the connector reads the result from ``additional_config``.
     """
-    per_stage: dict[frozenset[str], int] = {}
-    for cfg in kv_cache_configs:
-        layers = frozenset(n for g in cfg.kv_cache_groups for n in g.layer_names)
-        per_stage[layers] = _slot_bytes(cfg)
-    return sum(per_stage.values())
-
-
-def _slot_bytes(cfg: Any) -> int:
-    total = 0
-    for g in cfg.kv_cache_groups:
-        spec = g.kv_cache_spec
-        specs = getattr(spec, "kv_cache_specs", None)
-        if specs:
-            total += sum(s.page_size_bytes for s in specs.values())
-        else:
-            total += spec.page_size_bytes * len(g.layer_names)
-    return total
-
-
-def record_runtime(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
-    """Store the host slot count, computed identically in every process."""
     cfg = KVMemConfig.from_vllm_config(vllm_config)
     if cfg.kv_host_cache_bytes is None or not kv_cache_configs:
         return
-    slot_bytes = pipeline_slot_bytes(kv_cache_configs)
+    slot_bytes = va.pipeline_host_slot_bytes(kv_cache_configs)
     runtime = vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
     runtime["host_num_slots"] = (
         cfg.kv_host_cache_bytes // slot_bytes if slot_bytes else 0
@@ -360,27 +342,16 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
 
+        def per_engine(cls: Any, key: str, doc: str, **kw: Any) -> Any:
+            name = f"vllm:kvmem_host_{key.removeprefix('host_')}"
+            metric = cls(name=name, documentation=doc, labelnames=labelnames, **kw)
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
         self._counters = {
-            k: create_metric_per_engine(
-                self._counter_cls(
-                    name=f"vllm:kvmem_host_{k}",
-                    documentation=doc,
-                    labelnames=labelnames,
-                ),
-                per_engine_labelvalues,
-            )
-            for k, doc in METRIC_DOCS.items()
+            k: per_engine(self._counter_cls, k, doc) for k, doc in METRIC_DOCS.items()
         }
         self._gauges = {
-            k: create_metric_per_engine(
-                self._gauge_cls(
-                    name=f"vllm:kvmem_host_{k.removeprefix('host_')}",
-                    documentation=doc,
-                    labelnames=labelnames,
-                    multiprocess_mode="mostrecent",
-                ),
-                per_engine_labelvalues,
-            )
+            k: per_engine(self._gauge_cls, k, doc, multiprocess_mode="mostrecent")
             for k, doc in GAUGE_DOCS.items()
         }
 
@@ -476,7 +447,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         # Blocks near the head of the free queue worth copying ahead: what the
         # next two steps could evict, and at least one step's budget.
         self._scan_window = max(
-            self._budget_blocks, 2 * -(-step_tokens // self.block_size), 64
+            self._budget_blocks, 2 * cdiv(step_tokens, self.block_size), 64
         )
         self._stats = HostTierStats()
         self._stats.reset()
@@ -489,14 +460,14 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
         _evict_listener = self._on_evicted
         logger.info(
-            "Host KV tier: %d blocks of %d tokens (%.2f GiB per TP shard, %s "
+            "Host KV tier: %d blocks of %d tokens (%s GiB per TP shard, %s "
             "eviction); background copies up to %d MiB per step each way, "
             "late spills %s.",
             self.num_slots,
             self.block_size,
-            self.num_slots * self.pipeline_slot_bytes / (1 << 30),
+            gib(self.num_slots * self.pipeline_slot_bytes),
             self._cfg.kv_host_cache_policy,
-            self.step_bytes >> 20,
+            self.step_bytes // MiB,
             "copied" if self._cfg.kv_host_cache_late_spill == "copy" else "dropped",
         )
 
@@ -867,11 +838,11 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         pool = HostBlockPool.for_regions(regions, self.num_slots)
         self._engine = BlockCopyEngine(regions, pool, device=base.device)
         logger.info(
-            "Host KV tier on this rank: %d slots x %d bytes = %.2f GiB of %s host "
+            "Host KV tier on this rank: %d slots x %d bytes = %s GiB of %s host "
             "memory.",
             self.num_slots,
             pool.slot_bytes,
-            pool.nbytes / (1 << 30),
+            gib(pool.nbytes),
             "pinned" if pool.pinned else "pageable (pre-faulting in the background)",
         )
 
@@ -895,8 +866,8 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
         nbytes, pinned = engine.pool.nbytes, engine.pool.pinned
         engine.close()
         logger.info(
-            "Host KV tier released on this rank: %.2f GiB of %s host memory.",
-            nbytes / (1 << 30),
+            "Host KV tier released on this rank: %s GiB of %s host memory.",
+            gib(nbytes),
             "pinned" if pinned else "pageable",
         )
 

@@ -1,9 +1,14 @@
-"""The engine core's KV budget: bytes, pipeline-wide bytes, or tokens.
+"""The engine's KV budget: bytes per rank, pipeline-wide bytes, or tokens.
 
-One entry point, :func:`plan_kv_cache_configs`, replaces vLLM's
-``get_kv_cache_configs`` call in the engine core. It picks the budget mode,
-lets vLLM's own planner build every worker's config, and logs one startup
-table of what each rank got.
+* API server: :func:`check_budget_flags` refuses two budgets at once, and
+  :func:`set_tokens_placeholder` stands in for a token budget's bytes until
+  the engine sees the KV specs.
+* Workers: :func:`report_device_limit` is what each worker reports to the
+  engine when the engine sizes the cache, instead of a budget.
+* Engine core: :func:`plan_kv_cache_configs` replaces vLLM's
+  ``get_kv_cache_configs`` call. It picks the budget mode, lets vLLM's own
+  planner build every worker's config, and logs one startup table of what
+  each rank got.
 """
 
 from __future__ import annotations
@@ -15,24 +20,80 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvmem import pp_prop
+from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core import kv_math
 from vllm_kvmem.core.table import BAR, render_table
 from vllm_kvmem.core.units import gib, mib
-from vllm_kvmem.device_limits import limits_for
+from vllm_kvmem.device_limits import DeviceLimit, limits_for
 
 logger = init_logger("vllm.kvmem.kv_budget")
 
 TOKENS_FLAG = KVMemConfig.flag("kv_cache_tokens")
+BUDGET_FLAG = pp_prop.BUDGET_FLAG
+
+# A token budget has no byte figure until the engine sees the KV specs. Until
+# then vLLM's explicit-budget path runs with this placeholder (no profiling, and
+# the CPU worker's startup memory check is skipped); our patches replace it.
+TOKENS_PLACEHOLDER_BYTES = 1
+
+
+# ------------------------------------------------------------ API server
+
+
+def check_budget_flags(vllm_config: Any, cfg: KVMemConfig) -> None:
+    """A token budget and a byte budget cannot both size the cache; changes
+    nothing."""
+    budget = vllm_config.cache_config.kv_cache_memory_bytes
+    if cfg.kv_cache_tokens is not None and budget not in (
+        None,
+        TOKENS_PLACEHOLDER_BYTES,
+    ):
+        raise ValueError(
+            f"{TOKENS_FLAG} {cfg.kv_cache_tokens:,} and {BUDGET_FLAG} "
+            f"{budget:,} both size the KV cache; give one of them (on CPU, "
+            f"VLLM_CPU_KVCACHE_SPACE also sets {BUDGET_FLAG})."
+        )
+
+
+def set_tokens_placeholder(vllm_config: Any, cfg: KVMemConfig) -> None:
+    """With a token budget, set vLLM's byte budget to the placeholder (changes
+    ``vllm_config``): vLLM then skips profiling and the engine sizes the cache."""
+    if cfg.kv_cache_tokens is not None:
+        vllm_config.cache_config.kv_cache_memory_bytes = TOKENS_PLACEHOLDER_BYTES
+
+
+# ------------------------------------------------------------ workers
 
 
 def uses_device_limits(vllm_config: Any) -> bool:
     """Whether workers report their device's KV limit instead of a budget."""
-    return pp_prop.is_active(vllm_config) or tokens_budget(vllm_config) is not None
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
+    return cfg.kv_cache_tokens is not None or pp_prop.is_active(vllm_config, cfg)
 
 
-def tokens_budget(vllm_config: Any) -> int | None:
-    return KVMemConfig.from_vllm_config(vllm_config).kv_cache_tokens
+def report_device_limit(worker: Any, limit: DeviceLimit) -> int:
+    """What a worker returns from ``determine_available_memory`` when the engine
+    sizes the KV cache (pipeline-wide budget or token budget): free memory
+    less what is allocated after the KV cache (``DeviceLimit``)."""
+    budget = worker.cache_config.kv_cache_memory_bytes
+    how = (
+        f"KV cache budget {gib(budget)} GiB ({BUDGET_FLAG}) is pipeline-wide with "
+        f"{pp_prop.FLAG}"
+        if budget != TOKENS_PLACEHOLDER_BYTES
+        else f"KV cache is sized in tokens ({TOKENS_FLAG})"
+    )
+    logger.info(
+        "%s; this rank's device can hold up to %s GiB of KV cache (%s); the "
+        "engine assigns this rank's share.",
+        how,
+        gib(limit.kv_bytes),
+        limit.describe(),
+    )
+    return limit.kv_bytes
+
+
+# ------------------------------------------------------------ engine core
 
 
 def plan_kv_cache_configs(
@@ -43,14 +104,15 @@ def plan_kv_cache_configs(
 ) -> list[Any]:
     if not any(kv_cache_specs):
         return original(vllm_config, kv_cache_specs, available_memory)
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
     extra: dict[str, list[str]] = {}
     trailer: list[str] = []
-    if (tokens := tokens_budget(vllm_config)) is not None:
+    if (tokens := cfg.kv_cache_tokens) is not None:
         configs = token_budget_configs(
             original, vllm_config, kv_cache_specs, available_memory, tokens
         )
         title = f"{TOKENS_FLAG} {tokens:,}"
-    elif pp_prop.is_active(vllm_config):
+    elif pp_prop.is_active(vllm_config, cfg):
         configs, extra, trailer = pp_prop.proportional_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory
         )
@@ -62,24 +124,12 @@ def plan_kv_cache_configs(
         configs = original(vllm_config, kv_cache_specs, available_memory)
         budget = vllm_config.cache_config.kv_cache_memory_bytes
         title = (
-            f"--kv-cache-memory-bytes {gib(budget)} GiB per rank"
+            f"{BUDGET_FLAG} {gib(budget)} GiB per rank"
             if budget is not None
             else "profiled memory"
         )
-    log_startup_report(vllm_config, kv_cache_specs, configs, title, extra, trailer)
-    from vllm_kvmem.host_tier import record_runtime
-
-    record_runtime(vllm_config, configs)
+    log_startup_report(vllm_config, configs, title, extra, trailer)
     return configs
-
-
-# ------------------------------------------------------------------- tokens
-
-
-def pool_bytes_per_block(vllm_config: Any, groups: Sequence[Any]) -> int:
-    from vllm.v1.core.kv_cache_utils import _pool_bytes_per_block
-
-    return _pool_bytes_per_block(vllm_config, list(groups))
 
 
 def token_budget_configs(
@@ -90,22 +140,22 @@ def token_budget_configs(
     tokens: int,
 ) -> list[Any]:
     """Give every rank exactly the blocks ``tokens`` need, from its own specs."""
-    groups = pp_prop.worker_groups(vllm_config, kv_cache_specs)
+    groups = va.worker_groups(vllm_config, kv_cache_specs)
     # All ranks share one block table, so one block count; the largest count any
     # rank's groups need (they agree unless a stage lacks a group) wins.
     blocks = max(
-        kv_math.blocks_for_tokens(tokens, partial(_tokens_in, vllm_config, g))
+        kv_math.blocks_for_tokens(tokens, partial(va.tokens_in, vllm_config, g))
         for g in groups
         if g
     )
     if vllm_config.model_config.original_max_model_len != -1:
         _check_holds_a_sequence(vllm_config, groups, blocks, tokens)
-    memory = [blocks * pool_bytes_per_block(vllm_config, g) if g else 0 for g in groups]
+    bpb = [va.bytes_per_block(vllm_config, g) if g else 0 for g in groups]
+    memory = [blocks * b for b in bpb]
     described = limits_for(vllm_config, limits)
     for rank, (need, limit) in enumerate(zip(memory, limits)):
         if need > limit:
-            bpb = pool_bytes_per_block(vllm_config, groups[rank])
-            fit = _tokens_in(vllm_config, groups[rank], limit // bpb)
+            fit = va.tokens_in(vllm_config, groups[rank], limit // bpb[rank])
             raise ValueError(
                 f"{TOKENS_FLAG} {tokens:,}: rank {rank} needs {blocks:,} blocks = "
                 f"{mib(need)} of KV cache, more than its device can hold "
@@ -127,18 +177,14 @@ def _check_holds_a_sequence(
 ) -> None:
     """vLLM refuses a cache that cannot hold one max_model_len request next to
     its null block; say so in tokens, with the smallest budget that works."""
-    from vllm.v1.core.kv_cache_utils import _max_memory_usage_bytes_from_groups
-
     need = max(
-        _max_memory_usage_bytes_from_groups(vllm_config, g)
-        // pool_bytes_per_block(vllm_config, g)
-        + 1
+        va.sequence_bytes(vllm_config, g) // va.bytes_per_block(vllm_config, g) + 1
         for g in groups
         if g
     )
     if blocks >= need:
         return
-    least = max(_tokens_in(vllm_config, g, need) for g in groups if g)
+    least = max(va.tokens_in(vllm_config, g, need) for g in groups if g)
     max_len = vllm_config.model_config.max_model_len
     raise ValueError(
         f"{TOKENS_FLAG} {tokens:,} cannot hold one {max_len:,}-token sequence "
@@ -147,35 +193,21 @@ def _check_holds_a_sequence(
     )
 
 
-def _tokens_in(vllm_config: Any, groups: Sequence[Any], blocks: int) -> int:
-    from vllm.v1.core.kv_cache_utils import (
-        get_kv_cache_capacity,
-        get_kv_cache_config_from_groups,
-    )
-
-    bpb = pool_bytes_per_block(vllm_config, groups)
-    cfg = get_kv_cache_config_from_groups(vllm_config, list(groups), blocks * bpb)
-    return get_kv_cache_capacity(vllm_config, cfg)[0]
-
-
 # ------------------------------------------------------------- the report
 
 
 def report_rows(vllm_config: Any, configs: Sequence[Any]) -> list[dict[str, Any]]:
     """Per rank: layers, KV bytes, blocks, tokens and concurrency (vLLM's math)."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_capacity
-
-    stages: dict[frozenset[str], int] = {}
+    stages = va.stages_of_configs(configs)
     rows = []
     for rank, cfg in enumerate(configs):
-        layers = frozenset(n for g in cfg.kv_cache_groups for n in g.layer_names)
-        tokens, conc = get_kv_cache_capacity(vllm_config, cfg)
+        tokens, conc = va.capacity(vllm_config, cfg)
         rows.append(
             dict(
                 rank=rank,
-                stage=stages.setdefault(layers, len(stages)),
-                layers=len(layers),
-                kv_bytes=max((t.size for t in cfg.kv_cache_tensors), default=0),
+                stage=stages[rank],
+                layers=len(va.layer_names(cfg)),
+                kv_bytes=va.reserved_bytes(cfg),
                 blocks=cfg.num_blocks,
                 tokens=tokens,
                 concurrency=conc,
@@ -186,7 +218,6 @@ def report_rows(vllm_config: Any, configs: Sequence[Any]) -> list[dict[str, Any]
 
 def log_startup_report(
     vllm_config: Any,
-    kv_cache_specs: Sequence[Any],
     configs: Sequence[Any],
     title: str,
     extra: dict[str, list[str]] | None = None,

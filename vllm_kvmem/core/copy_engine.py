@@ -44,6 +44,8 @@ from typing import Any, Literal
 
 import torch
 
+from vllm_kvmem.core.units import cdiv
+
 logger = logging.getLogger("vllm.kvmem.copy_engine")
 
 Direction = Literal["save", "load"]
@@ -362,7 +364,7 @@ def _page_aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     pool sharing a page with another pinned buffer would fail to pin.
     """
     page = mmap.PAGESIZE
-    span = -(-nbytes // page) * page
+    span = cdiv(nbytes, page) * page
     owner = torch.empty(span + page, dtype=torch.uint8)
     start = -owner.data_ptr() % page
     return owner[start : start + nbytes], owner, span
@@ -461,7 +463,7 @@ def _populate_write(tensor: torch.Tensor) -> bool:
     """
     page = mmap.PAGESIZE
     ptr = tensor.data_ptr()
-    start = -(-ptr // page) * page
+    start = cdiv(ptr, page) * page
     end = (ptr + tensor.numel() * tensor.element_size()) // page * page
     if end <= start:
         return True

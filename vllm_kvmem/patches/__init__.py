@@ -25,7 +25,7 @@ from vllm_kvmem.patches.executor_device_limits import PATCH as EXECUTOR_DEVICE_L
 from vllm_kvmem.patches.gpu_worker_memory import PATCH as GPU_WORKER_MEMORY
 from vllm_kvmem.patches.kv_cache_configs import PATCH as KV_CACHE_CONFIGS
 from vllm_kvmem.patches.kv_cache_layout import PATCH as KV_CACHE_LAYOUT
-from vllm_kvmem.patches.worker_kv_share_log import PATCH as WORKER_KV_SHARE_LOG
+from vllm_kvmem.patches.worker_kv_cache_init import PATCH as WORKER_KV_CACHE_INIT
 
 ALL_PATCHES: tuple[Patch, ...] = (
     ENGINE_ARGS_CLI,
@@ -37,7 +37,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     GPU_WORKER_MEMORY,
     CPU_WORKER_MEMORY,
     EXECUTOR_DEVICE_LIMITS,
-    WORKER_KV_SHARE_LOG,
+    WORKER_KV_CACHE_INIT,
     KV_CACHE_LAYOUT,
     CPU_ATTN_LAYOUTS,
     BLOCK_POOL_EVICT,

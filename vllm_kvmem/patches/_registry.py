@@ -8,12 +8,13 @@ example ``vllm.v1.engine.core`` does ``from ... import get_kv_cache_configs``).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from vllm_kvmem.vllm_adapter import resolve_target
 
 _MARK = "__kvmem_patch__"
 _ORIGINAL = "__kvmem_original__"
@@ -76,18 +77,9 @@ class Patch:
     def module_name(self) -> str:
         return self.target.split(":", 1)[0]
 
-    @property
-    def attr_path(self) -> list[str]:
-        return self.target.split(":", 1)[1].split(".")
-
     def resolve(self) -> tuple[Any, str, Any]:
         """Return ``(owner, attr, raw)``: raw keeps staticmethod/classmethod."""
-        owner: Any = importlib.import_module(self.module_name)
-        *parents, attr = self.attr_path
-        for part in parents:
-            owner = getattr(owner, part)
-        raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        return owner, attr, raw
+        return resolve_target(self.target)
 
 
 def _unwrap(raw: Any) -> Callable[..., Any]:

@@ -27,12 +27,10 @@ REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."
 def make_replacement(original):
     def determine_available_memory(self):
         from vllm_kvmem import device_limits
-        from vllm_kvmem.kv_budget import uses_device_limits
-        from vllm_kvmem.pp_prop import device_kv_limit, report_device_limit
+        from vllm_kvmem.kv_budget import report_device_limit, uses_device_limits
 
         if not uses_device_limits(self.vllm_config):
             return original(self)
-        limit = device_limits.measure(self, original, device_kv_limit)
-        return report_device_limit(self, limit)
+        return report_device_limit(self, device_limits.measure(self, original))
 
     return determine_available_memory

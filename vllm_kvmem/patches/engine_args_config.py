@@ -1,4 +1,5 @@
-"""Validate the vllm-kvmem options when vLLM builds its VllmConfig."""
+"""Check the vllm-kvmem options, and set up what they need, when vLLM builds
+its VllmConfig."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def create_engine_config(self, *args, **kwargs):
-        from vllm_kvmem.host_tier import prepare_engine_args
-        from vllm_kvmem.pp_prop import validate_engine_config
+        from vllm_kvmem import kv_budget, pp_prop
+        from vllm_kvmem.config import store_normalised
+        from vllm_kvmem.host_tier import add_connector_config
 
-        prepare_engine_args(self)
+        add_connector_config(self)
         config = original(self, *args, **kwargs)
-        validate_engine_config(config)
+        cfg = store_normalised(config)
+        kv_budget.check_budget_flags(config, cfg)
+        pp_prop.check_flags(config, cfg)
+        kv_budget.set_tokens_placeholder(config, cfg)
         return config
 
     return create_engine_config
@@ -32,9 +37,9 @@ PATCH = Patch(
     "while the VllmConfig is built).",
     how="Wraps the method: first turns `--kv-host-cache-bytes` into vLLM's own "
     "`kv_transfer_config` (the host tier connector) after checking host memory, "
-    "then builds the VllmConfig as vLLM does, parses "
-    "`additional_config['kvmem']` into `KVMemConfig` (normalised in place) and "
-    "runs the cross-flag checks.",
+    "then builds the VllmConfig as vLLM does, stores "
+    "`additional_config['kvmem']` normalised, runs the cross-flag checks, and "
+    "with `--kv-cache-tokens` sets the 1-byte placeholder budget.",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig with its own checks.",
 )

@@ -7,11 +7,14 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
+        from vllm_kvmem.host_tier import size_host_tier
         from vllm_kvmem.kv_budget import plan_kv_cache_configs
 
-        return plan_kv_cache_configs(
+        configs = plan_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory
         )
+        size_host_tier(vllm_config, configs)
+        return configs
 
     return get_kv_cache_configs
 
@@ -36,7 +39,8 @@ PATCH = Patch(
     "stage, gives stage s `T * bpb(s) / sum(bpb)` (so all stages hold "
     "`T // sum(bpb)` blocks), checks each share against the limit the worker "
     "reported and against one max_model_len sequence, then calls vLLM's "
-    "original planner with the shares and logs a per-rank summary. Rebinds the "
+    "original planner with the shares and logs a per-rank summary. Then sizes "
+    "the host tier (its slot count) from the configs. Rebinds the "
     "name imported into `vllm.v1.engine.core`.",
     upstream="vLLM PR 'Add --enable-pp-prop-kv-cache' (seed 000, never merged).",
     remove_when="vLLM ships a pipeline-proportional KV budget.",

@@ -1,0 +1,269 @@
+"""vLLM's KV-cache figures, each in one place and from vLLM's own functions.
+
+The stage of a rank, the KV cache groups vLLM's planner forms, bytes per
+block, capacity in tokens, the bytes one max_model_len sequence needs, the
+bytes of one host slot, a device's free memory and vLLM's multimodal
+reservation are all vLLM's numbers; the rest of vllm-kvmem asks here instead
+of re-deriving them, so a change in vLLM shows up in one module.
+
+The vLLM functions this module calls (several are private) are listed in
+:data:`VLLM_HELPERS` and only reached through it: each is checked against
+the parameters we call it with the first time it is used, and
+``tests/test_vllm_adapter.py`` checks them all, the way the patch records
+check the functions vllm-kvmem replaces.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+_KU = "vllm.v1.core.kv_cache_utils"
+_CPU = "vllm.utils.cpu_resource_utils"
+
+
+def resolve_target(target: str) -> tuple[Any, str, Any]:
+    """``module:attr`` or ``module:Class.attr`` as ``(owner, attr, raw)``, raw
+    as stored (a staticmethod stays one); importing the module is the only
+    side effect. The patch records resolve their targets here too."""
+    module_name, path = target.split(":", 1)
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = path.split(".")
+    for part in parents:
+        owner = getattr(owner, part)
+    raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    return owner, attr, raw
+
+
+@dataclass(frozen=True)
+class VllmHelper:
+    """One vLLM function vllm-kvmem calls, with the parameters it expects."""
+
+    target: str
+    """``module:attr``."""
+    signature: tuple[str, ...]
+    used_for: str
+
+    @property
+    def name(self) -> str:
+        return self.target.rsplit(":", 1)[1]
+
+    @property
+    def private(self) -> bool:
+        return self.name.startswith("_")
+
+    def check_signature(self) -> Callable[..., Any]:
+        """The function, or an error naming it if vLLM changed it."""
+        func = resolve_target(self.target)[2]
+        params = tuple(inspect.signature(func).parameters)
+        if params != self.signature:
+            raise RuntimeError(
+                f"vllm-kvmem calls {self.target} with parameters {self.signature}, "
+                f"this vLLM has {params}; this vLLM is not supported"
+            )
+        return func
+
+
+VLLM_HELPERS: tuple[VllmHelper, ...] = (
+    VllmHelper(
+        f"{_KU}:get_kv_cache_groups",
+        ("vllm_config", "kv_cache_spec"),
+        "the KV cache groups vLLM's planner forms from every worker's specs",
+    ),
+    VllmHelper(
+        f"{_KU}:_project_kv_cache_groups_to_worker",
+        ("global_kv_cache_groups", "worker_spec"),
+        "those groups restricted to one worker's layers (its pipeline stage)",
+    ),
+    VllmHelper(
+        f"{_KU}:_pool_bytes_per_block",
+        ("vllm_config", "kv_cache_groups"),
+        "bytes per block, the divisor vLLM turns a budget into blocks with",
+    ),
+    VllmHelper(
+        f"{_KU}:_max_memory_usage_bytes_from_groups",
+        ("vllm_config", "kv_cache_groups"),
+        "bytes one max_model_len sequence needs, vLLM's startup check",
+    ),
+    VllmHelper(
+        f"{_KU}:get_kv_cache_config_from_groups",
+        ("vllm_config", "kv_cache_groups", "available_memory"),
+        "the config vLLM builds for a given number of bytes",
+    ),
+    VllmHelper(
+        f"{_KU}:get_kv_cache_capacity",
+        ("vllm_config", "kv_cache_config"),
+        "capacity in tokens and concurrency, as vLLM logs it",
+    ),
+    VllmHelper(
+        "vllm.multimodal.gpu_ipc_memory:reserve_mm_ipc_gpu_memory",
+        ("available_kv_cache_memory_bytes", "mm_config", "api_process_count"),
+        "what vLLM keeps off the KV cache for frontend multimodal GPU work",
+    ),
+    VllmHelper(
+        f"{_CPU}:get_allowed_cpu_list",
+        (),
+        "the CPU worker's NUMA node",
+    ),
+    VllmHelper(
+        f"{_CPU}:get_memory_node_info",
+        ("node_id",),
+        "that node's available memory, what vLLM's CPU worker checks",
+    ),
+)
+
+_checked: dict[str, Callable[..., Any]] = {}
+
+
+def _vllm(name: str) -> Callable[..., Any]:
+    """The vLLM function ``name`` from :data:`VLLM_HELPERS`, checked once."""
+    if name not in _checked:
+        helper = next(h for h in VLLM_HELPERS if h.name == name)
+        _checked[name] = helper.check_signature()
+    return _checked[name]
+
+
+# ---------------------------------------------------------------- stages
+
+
+def layer_names(kv_cache_config: Any) -> frozenset[str]:
+    """Every KV cache layer a worker's ``KVCacheConfig`` holds."""
+    return frozenset(n for g in kv_cache_config.kv_cache_groups for n in g.layer_names)
+
+
+def stage_of_each_rank(layer_sets: Iterable[Iterable[str]]) -> list[int]:
+    """Pipeline stage of each rank, from each rank's KV layer names.
+
+    Tensor-parallel ranks of a stage hold the same layers; stages hold
+    disjoint ones. Accepts a worker's KV specs (a dict keyed by layer name) or
+    :func:`layer_names` of its config.
+    """
+    stages: dict[frozenset[str], int] = {}
+    return [stages.setdefault(frozenset(s), len(stages)) for s in layer_sets]
+
+
+def stages_of_configs(kv_cache_configs: Sequence[Any]) -> list[int]:
+    return stage_of_each_rank(layer_names(c) for c in kv_cache_configs)
+
+
+def first_rank_of_each_stage(stage: Sequence[int]) -> list[int]:
+    """One rank per stage (one tensor-parallel shard of the pipeline)."""
+    return [list(stage).index(s) for s in range(max(stage, default=-1) + 1)]
+
+
+# ---------------------------------------------------------------- groups
+
+
+def worker_groups(vllm_config: Any, kv_cache_specs: Sequence[dict[str, Any]]) -> list:
+    """Each worker's KV cache groups, exactly as vLLM's planner will form them.
+
+    Mirrors the first steps of ``get_kv_cache_configs`` with vLLM's own
+    functions on a copy of the specs, so that bytes per block and the bytes one
+    max_model_len sequence needs are vLLM's numbers, hybrid models included.
+    """
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    merged: dict[str, Any] = {}
+    for specs in kv_cache_specs:
+        for name, spec in specs.items():
+            merged.setdefault(name, spec)
+    extra = max(0, vllm_config.num_prefill_lookahead_tokens - 1)
+    for name, spec in merged.items():
+        if isinstance(spec, SlidingWindowSpec):
+            merged[name] = replace(spec, extra_retained_tokens=extra)
+    groups = _vllm("get_kv_cache_groups")(vllm_config, merged)
+    project = _vllm("_project_kv_cache_groups_to_worker")
+    return [project(groups, w) for w in kv_cache_specs]
+
+
+def bytes_per_block(vllm_config: Any, groups: Sequence[Any]) -> int:
+    """Device bytes one block takes on a worker (all its layers)."""
+    return _vllm("_pool_bytes_per_block")(vllm_config, list(groups))
+
+
+def sequence_bytes(vllm_config: Any, groups: Sequence[Any]) -> int:
+    """Bytes one max_model_len sequence needs on a worker (no null block)."""
+    return _vllm("_max_memory_usage_bytes_from_groups")(vllm_config, list(groups))
+
+
+def config_for_blocks(vllm_config: Any, groups: Sequence[Any], blocks: int) -> Any:
+    """The ``KVCacheConfig`` vLLM builds for ``blocks`` blocks of ``groups``."""
+    memory = blocks * bytes_per_block(vllm_config, groups)
+    return _vllm("get_kv_cache_config_from_groups")(vllm_config, list(groups), memory)
+
+
+def capacity(vllm_config: Any, kv_cache_config: Any) -> tuple[int, float]:
+    """``(tokens, concurrency)`` of a config, as vLLM logs them."""
+    return _vllm("get_kv_cache_capacity")(vllm_config, kv_cache_config)
+
+
+def tokens_in(vllm_config: Any, groups: Sequence[Any], blocks: int) -> int:
+    """Tokens ``blocks`` blocks of ``groups`` hold, as vLLM counts capacity."""
+    return capacity(vllm_config, config_for_blocks(vllm_config, groups, blocks))[0]
+
+
+def reserved_bytes(kv_cache_config: Any) -> int:
+    """KV bytes a worker allocates (its largest KV cache tensor)."""
+    return max((t.size for t in kv_cache_config.kv_cache_tensors), default=0)
+
+
+# ---------------------------------------------------------------- host slots
+
+
+def host_slot_bytes(kv_cache_config: Any) -> int:
+    """Host bytes of one block on a worker: every layer's page of it."""
+    total = 0
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None)
+        if specs:
+            total += sum(s.page_size_bytes for s in specs.values())
+        else:
+            total += spec.page_size_bytes * len(g.layer_names)
+    return total
+
+
+def pipeline_host_slot_bytes(kv_cache_configs: Sequence[Any]) -> int:
+    """Host bytes of one block summed over pipeline stages (one TP shard)."""
+    stage = stages_of_configs(kv_cache_configs)
+    return sum(
+        host_slot_bytes(kv_cache_configs[r]) for r in first_rank_of_each_stage(stage)
+    )
+
+
+# ---------------------------------------------------------------- devices
+
+
+def free_device_bytes(worker: Any) -> int:
+    """Bytes this worker's device can still hold, read after vLLM's profiling.
+
+    CPU: the available memory of the worker's NUMA node (what vLLM's CPU worker
+    checks). Accelerators: the free device memory, as reported by torch.
+    """
+    import torch
+
+    device = getattr(worker, "device", None)
+    if device is None or torch.device(device).type == "cpu":
+        node = _vllm("get_allowed_cpu_list")()[0].numa_node
+        return int(_vllm("get_memory_node_info")(node).available_memory)
+    free, _total = torch.accelerator.get_memory_info(device)
+    return int(free)
+
+
+# Larger than any reservation, so that vLLM's function returns instead of
+# raising and the difference is the reservation.
+_PROBE_BYTES = 1 << 60
+
+
+def mm_reservation_bytes(vllm_config: Any) -> int:
+    """What vLLM keeps off the KV cache for frontend multimodal GPU work, from
+    vLLM's own ``reserve_mm_ipc_gpu_memory`` (0 for a text-only model)."""
+    mm_config = vllm_config.model_config.multimodal_config
+    if mm_config is None:
+        return 0
+    count = getattr(vllm_config.parallel_config, "_api_process_count", 1)
+    reserve = _vllm("reserve_mm_ipc_gpu_memory")
+    return _PROBE_BYTES - reserve(_PROBE_BYTES, mm_config, count)
