@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
-import inspect
 import json
 import os
 import pathlib
@@ -14,7 +14,13 @@ import sys
 import pytest
 
 from vllm_kvmem import tiny_model
-from vllm_kvmem.tiny_model import DEFAULTS, add_arguments, build_tiny_model, run
+from vllm_kvmem.tiny_model import (
+    DEFAULTS,
+    TinyModelOptions,
+    add_arguments,
+    build_tiny_model,
+    run,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FILES = {
@@ -35,10 +41,17 @@ def digests(path: pathlib.Path) -> dict[str, str]:
     }
 
 
-def test_defaults_match_signature() -> None:
-    params = inspect.signature(build_tiny_model).parameters
-    assert {k: params[k].default for k in DEFAULTS} == DEFAULTS
-    assert set(params) - {"outdir"} == set(DEFAULTS)
+def test_every_option_is_a_flag_and_a_checked_keyword(tmp_path: pathlib.Path) -> None:
+    """The options are declared once; each is a CLI flag with that default, and
+    a misspelt keyword is an error rather than silently ignored."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for f in dataclasses.fields(TinyModelOptions):
+        action = parser._option_string_actions[TinyModelOptions.flag(f.name)]
+        assert (action.dest, action.default) == (f.name, f.default)
+    with pytest.raises(TypeError, match="num_layer"):
+        build_tiny_model(tmp_path / "m", num_layer=2)
+    assert not (tmp_path / "m").exists()
 
 
 def test_build_is_byte_identical(tmp_path: pathlib.Path) -> None:

@@ -13,24 +13,13 @@ and a byte-level BPE tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 from typing import Any
 
-DEFAULTS: dict[str, Any] = {
-    "num_layers": 8,
-    "hidden_size": 256,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 2048,
-    "intermediate_size": None,  # None: 2 * hidden_size
-    "max_position_embeddings": 4096,
-    "dtype": "bfloat16",
-    "sliding_window": None,
-    "seed": 0,
-}
+from vllm_kvmem.core.stats import lcg
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -80,12 +69,10 @@ def _corpus(num_sentences: int = 1200) -> list[str]:
     Python versions. Real words, pseudo-words, digits, quotes and a few
     non-ASCII words are mixed so the learned merges look like a real vocabulary.
     """
-    state = 0x2545F491
+    numbers = lcg(0x2545F491)
 
     def nxt(n: int) -> int:
-        nonlocal state
-        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-        return (state >> 33) % n
+        return next(numbers) % n
 
     def pick(options: tuple[str, ...] | list[str]) -> str:
         return options[nxt(len(options))]
@@ -109,69 +96,123 @@ def _corpus(num_sentences: int = 1200) -> list[str]:
     return lines
 
 
-def _check_positive(flag: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{flag}={value!r}: must be a positive integer")
+def _option(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return dataclasses.field(
+        default=default, metadata={"help": help, "argparse": argparse_kwargs}
+    )
 
 
-def _validate(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    vocab_size: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    dtype: str,
-    sliding_window: int | None,
-    seed: int,
-) -> None:
-    """Refuse bad options up front with the flag, the value and what would work."""
-    for flag, value in (
-        ("--num-layers", num_layers),
-        ("--hidden-size", hidden_size),
-        ("--num-heads", num_heads),
-        ("--num-kv-heads", num_kv_heads),
-        ("--head-dim", head_dim),
-        ("--vocab-size", vocab_size),
-        ("--intermediate-size", intermediate_size),
-        ("--max-position-embeddings", max_position_embeddings),
-    ):
-        _check_positive(flag, value)
-    if sliding_window is not None:
-        _check_positive("--sliding-window", sliding_window)
-    if hidden_size % num_heads:
-        divisors = [
-            d for d in range(1, min(hidden_size, 64) + 1) if hidden_size % d == 0
-        ]
-        raise ValueError(
-            f"--num-heads={num_heads} does not divide --hidden-size={hidden_size}; "
-            f"use one of {divisors} or change --hidden-size"
-        )
-    if num_heads % num_kv_heads:
-        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
-        raise ValueError(
-            f"--num-kv-heads={num_kv_heads} does not divide --num-heads={num_heads};"
-            f" use one of {divisors}"
-        )
-    if head_dim % 2:
-        raise ValueError(
-            f"--head-dim={head_dim}: rotary embeddings need an even head size; "
-            f"use e.g. {head_dim + 1} (vLLM's CPU backend takes 32, 64, 80, 96, "
-            "112, 128, 160, 192, 224, 256, 512)"
-        )
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"--vocab-size={vocab_size}: a byte-level tokenizer needs 256 byte "
-            f"tokens plus {len(SPECIAL_TOKENS)} special ones; use at least "
-            f"{MIN_VOCAB_SIZE}"
-        )
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype={dtype!r}: use one of {', '.join(DTYPES)}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"--seed={seed!r}: use an integer in [0, 2**63)")
+@dataclasses.dataclass(frozen=True)
+class TinyModelOptions:
+    """Every option of the tiny model, declared once: ``build_tiny_model``'s
+    keywords, the ``kvmem tiny-model`` flags with their defaults and help, and
+    the checks (at construction, naming the flag) all come from here."""
+
+    num_layers: int = _option(8, "decoder layers (default %(default)s)")
+    hidden_size: int = _option(
+        256, "model width; --num-heads must divide it (default %(default)s)"
+    )
+    num_heads: int = _option(4, "attention (query) heads (default %(default)s)")
+    num_kv_heads: int = _option(
+        2,
+        "KV heads, must divide --num-heads; sets KV bytes per token "
+        "(default %(default)s)",
+    )
+    head_dim: int = _option(
+        64, "size of one head, even; sets KV bytes per token (default %(default)s)"
+    )
+    vocab_size: int = _option(
+        2048,
+        f"embedding rows, at least {MIN_VOCAB_SIZE}; the tokenizer learns "
+        "up to this many tokens (default %(default)s)",
+    )
+    intermediate_size: int | None = _option(
+        None, "MLP width (default: 2 * --hidden-size)"
+    )
+    max_position_embeddings: int = _option(
+        4096, "longest context the config declares (default %(default)s)"
+    )
+    dtype: str = _option(
+        "bfloat16",
+        "weight dtype written to disk and into config.json (default %(default)s)",
+        choices=DTYPES,
+    )
+    sliding_window: int | None = _option(
+        None,
+        "write a Mistral-style config with this window, so vLLM gives every "
+        "layer a sliding-window KV cache (default: none, full attention)",
+    )
+    seed: int = _option(
+        0,
+        "weight RNG seed; same options and seed give the same bytes "
+        "(default %(default)s)",
+    )
+
+    @staticmethod
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    @property
+    def mlp_size(self) -> int:
+        """``intermediate_size``, or its default of twice the width."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        return 2 * self.hidden_size if isinstance(self.hidden_size, int) else 0
+
+    def __post_init__(self) -> None:
+        """Refuse bad options up front with the flag, the value and what would
+        work."""
+        for f in dataclasses.fields(self):
+            value = (
+                self.mlp_size
+                if f.name == "intermediate_size"
+                else getattr(self, f.name)
+            )
+            if f.type.startswith("int") and not (value is None and f.default is None):
+                _check_positive(self.flag(f.name), value, seed=f.name == "seed")
+        hidden, heads, kv_heads = self.hidden_size, self.num_heads, self.num_kv_heads
+        if hidden % heads:
+            divisors = [d for d in range(1, min(hidden, 64) + 1) if hidden % d == 0]
+            raise ValueError(
+                f"--num-heads={heads} does not divide --hidden-size={hidden}; "
+                f"use one of {divisors} or change --hidden-size"
+            )
+        if heads % kv_heads:
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+            raise ValueError(
+                f"--num-kv-heads={kv_heads} does not divide --num-heads={heads};"
+                f" use one of {divisors}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"--head-dim={self.head_dim}: rotary embeddings need an even head "
+                f"size; use e.g. {self.head_dim + 1} (vLLM's CPU backend takes 32, "
+                "64, 80, 96, 112, 128, 160, 192, 224, 256, 512)"
+            )
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(
+                f"--vocab-size={self.vocab_size}: a byte-level tokenizer needs 256 "
+                f"byte tokens plus {len(SPECIAL_TOKENS)} special ones; use at least "
+                f"{MIN_VOCAB_SIZE}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+
+
+def _check_positive(flag: str, value: Any, *, seed: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        ok = False
+    else:
+        ok = 0 <= value < 2**63 if seed else value > 0
+    if not ok:
+        hint = "use an integer in [0, 2**63)" if seed else "must be a positive integer"
+        raise ValueError(f"{flag}={value!r}: {hint}")
+
+
+#: Each option's default, from the declaration.
+DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(TinyModelOptions)
+}
 
 
 def _train_tokenizer(vocab_size: int) -> Any:
@@ -207,21 +248,14 @@ def _train_tokenizer(vocab_size: int) -> Any:
     return tok
 
 
-def _weight_shapes(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    vocab_size: int,
-    intermediate_size: int,
-) -> list[tuple[str, tuple[int, ...]]]:
+def _weight_shapes(o: TinyModelOptions) -> list[tuple[str, tuple[int, ...]]]:
     """HF Llama tensor names and shapes, in the order they are generated."""
+    hidden_size, vocab_size, head_dim = o.hidden_size, o.vocab_size, o.head_dim
+    num_heads, num_kv_heads, intermediate_size = o.num_heads, o.num_kv_heads, o.mlp_size
     shapes: list[tuple[str, tuple[int, ...]]] = [
         ("model.embed_tokens.weight", (vocab_size, hidden_size))
     ]
-    for i in range(num_layers):
+    for i in range(o.num_layers):
         p = f"model.layers.{i}"
         shapes += [
             (f"{p}.self_attn.q_proj.weight", (num_heads * head_dim, hidden_size)),
@@ -241,19 +275,7 @@ def _weight_shapes(
     return shapes
 
 
-def model_config(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    vocab_size: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    dtype: str,
-    sliding_window: int | None,
-) -> dict[str, Any]:
+def model_config(o: TinyModelOptions) -> dict[str, Any]:
     """The ``config.json`` content, written out rather than built by transformers.
 
     It is what ``LlamaConfig(...).to_diff_dict()`` (``MistralConfig`` with a
@@ -271,30 +293,30 @@ def model_config(
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
-        "head_dim": head_dim,
+        "head_dim": o.head_dim,
         "hidden_act": "silu",
-        "hidden_size": hidden_size,
+        "hidden_size": o.hidden_size,
         "initializer_range": WEIGHT_STD,
-        "intermediate_size": intermediate_size,
-        "max_position_embeddings": max_position_embeddings,
-        "num_attention_heads": num_heads,
-        "num_hidden_layers": num_layers,
-        "num_key_value_heads": num_kv_heads,
+        "intermediate_size": o.mlp_size,
+        "max_position_embeddings": o.max_position_embeddings,
+        "num_attention_heads": o.num_heads,
+        "num_hidden_layers": o.num_layers,
+        "num_key_value_heads": o.num_kv_heads,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "tie_word_embeddings": False,
         "use_cache": True,
-        "vocab_size": vocab_size,
+        "vocab_size": o.vocab_size,
         # transformers >= 4.56 reads dtype; older readers look for torch_dtype.
-        "dtype": dtype,
-        "torch_dtype": dtype,
+        "dtype": o.dtype,
+        "torch_dtype": o.dtype,
     }
-    if sliding_window is not None:
+    if o.sliding_window is not None:
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del config[key]
         config["architectures"] = ["MistralForCausalLM"]
         config["model_type"] = "mistral"
-        config["sliding_window"] = sliding_window
+        config["sliding_window"] = o.sliding_window
     return config
 
 
@@ -311,41 +333,19 @@ def _dump_json(path: pathlib.Path, obj: Any) -> None:
 
 def build_tiny_model(
     outdir: str | os.PathLike[str],
-    *,
-    num_layers: int = 8,
-    hidden_size: int = 256,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 64,
-    vocab_size: int = 2048,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 4096,
-    dtype: str = "bfloat16",
-    sliding_window: int | None = None,
-    seed: int = 0,
+    options: TinyModelOptions | None = None,
+    **overrides: Any,
 ) -> pathlib.Path:
     """Write the model directory and return its path.
 
-    With ``sliding_window`` the config is a ``MistralForCausalLM`` (same tensor
-    names): vLLM copies a model-level ``sliding_window`` into every attention
-    layer when the config has no ``layer_types``, so each layer gets a
-    ``SlidingWindowSpec``. Raises ``ValueError`` naming the CLI flag on bad input.
+    ``overrides`` are :class:`TinyModelOptions` fields (``num_layers=2``), on
+    top of ``options`` or the defaults. With ``sliding_window`` the config is
+    a ``MistralForCausalLM`` (same tensor names): vLLM copies a model-level
+    ``sliding_window`` into every attention layer when the config has no
+    ``layer_types``, so each layer gets a ``SlidingWindowSpec``. Raises
+    ``ValueError`` naming the CLI flag on bad input.
     """
-    if intermediate_size is None:
-        intermediate_size = 2 * hidden_size if isinstance(hidden_size, int) else 0
-    _validate(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        dtype=dtype,
-        sliding_window=sliding_window,
-        seed=seed,
-    )
+    o = dataclasses.replace(options or TinyModelOptions(), **overrides)
 
     import torch
     from safetensors.torch import save_file
@@ -353,36 +353,16 @@ def build_tiny_model(
     out = pathlib.Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
 
-    config = model_config(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        dtype=dtype,
-        sliding_window=sliding_window,
-    )
-    _dump_json(out / "config.json", config)
+    _dump_json(out / "config.json", model_config(o))
     _dump_json(
         out / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
 
-    torch_dtype = getattr(torch, dtype)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    torch_dtype = getattr(torch, o.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(o.seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape in _weight_shapes(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        intermediate_size=intermediate_size,
-    ):
+    for name, shape in _weight_shapes(o):
         if len(shape) == 1:  # RMSNorm scales start at one, as in HF init
             tensors[name] = torch.ones(shape, dtype=torch_dtype)
         else:
@@ -390,7 +370,7 @@ def build_tiny_model(
             tensors[name] = (weight * WEIGHT_STD).to(torch_dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    tok = _train_tokenizer(vocab_size)
+    tok = _train_tokenizer(o.vocab_size)
     _write_text(out / "tokenizer.json", tok.to_str(pretty=True) + "\n")
     specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
     _dump_json(out / "special_tokens_map.json", specials)
@@ -399,7 +379,7 @@ def build_tiny_model(
         {
             **specials,
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": max_position_embeddings,
+            "model_max_length": o.max_position_embeddings,
             "clean_up_tokenization_spaces": False,
             "added_tokens_decoder": {
                 str(i): {
@@ -419,85 +399,22 @@ def build_tiny_model(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``outdir`` and one flag per ``build_tiny_model`` option."""
-    d = DEFAULTS
+    """Add ``outdir`` and one flag per :class:`TinyModelOptions` field."""
     parser.add_argument("outdir", help="directory to write the model into")
-    parser.add_argument(
-        "--num-layers",
-        type=int,
-        default=d["num_layers"],
-        help="decoder layers (default %(default)s)",
-    )
-    parser.add_argument(
-        "--hidden-size",
-        type=int,
-        default=d["hidden_size"],
-        help="model width; --num-heads must divide it (default %(default)s)",
-    )
-    parser.add_argument(
-        "--num-heads",
-        type=int,
-        default=d["num_heads"],
-        help="attention (query) heads (default %(default)s)",
-    )
-    parser.add_argument(
-        "--num-kv-heads",
-        type=int,
-        default=d["num_kv_heads"],
-        help="KV heads, must divide --num-heads; sets KV bytes per token "
-        "(default %(default)s)",
-    )
-    parser.add_argument(
-        "--head-dim",
-        type=int,
-        default=d["head_dim"],
-        help="size of one head, even; sets KV bytes per token (default %(default)s)",
-    )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=d["vocab_size"],
-        help=f"embedding rows, at least {MIN_VOCAB_SIZE}; the tokenizer learns "
-        "up to this many tokens (default %(default)s)",
-    )
-    parser.add_argument(
-        "--intermediate-size",
-        type=int,
-        default=d["intermediate_size"],
-        help="MLP width (default: 2 * --hidden-size)",
-    )
-    parser.add_argument(
-        "--max-position-embeddings",
-        type=int,
-        default=d["max_position_embeddings"],
-        help="longest context the config declares (default %(default)s)",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default=d["dtype"],
-        help="weight dtype written to disk and into config.json (default %(default)s)",
-    )
-    parser.add_argument(
-        "--sliding-window",
-        type=int,
-        default=d["sliding_window"],
-        help="write a Mistral-style config with this window, so vLLM gives every "
-        "layer a sliding-window KV cache (default: none, full attention)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=d["seed"],
-        help="weight RNG seed; same options and seed give the same bytes "
-        "(default %(default)s)",
-    )
+    for f in dataclasses.fields(TinyModelOptions):
+        extra = f.metadata["argparse"] or {"type": int}
+        parser.add_argument(
+            TinyModelOptions.flag(f.name),
+            default=f.default,
+            help=f.metadata["help"],
+            **extra,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     """Build from parsed CLI args and print a one-line summary."""
     options = {key: getattr(args, key) for key in DEFAULTS}
-    out = build_tiny_model(args.outdir, **options)
+    out = build_tiny_model(args.outdir, TinyModelOptions(**options))
 
     from safetensors import safe_open
 
