@@ -91,10 +91,11 @@ if str(ROOT) not in sys.path:  # run from a checkout that is not installed
 from _report import provenance, versions  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from vllm_kvmem.core.stats import lcg, percentile  # noqa: E402
+
 CONFIGS = ("none", "host", "example")
 REUSE_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
 BLOCK_SIZE = 128  # vLLM's CPU default, set explicitly so sizes are exact
-MIB = 1 << 20
 RUN_TIMEOUT_S = 900
 TARGET_ZERO_REUSE_LOSS = 0.02
 TARGET_HIT_SPEEDUP = 5.0
@@ -147,10 +148,7 @@ _SYLLABLES = "ka lo mi ne ru ta vo shi den mar tor lin gas pel quo rix".split()
 
 def _lcg(seed: int):
     """A fixed generator (not ``random``): same text on every Python."""
-    state = (seed * 0x9E3779B97F4A7C15 + 0x2545F491) % (1 << 64)
-    while True:
-        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-        yield state >> 33
+    return lcg(seed * 0x9E3779B97F4A7C15 + 0x2545F491)
 
 
 def document_text(doc: int, num_words: int) -> str:
@@ -453,17 +451,6 @@ class Runner:
 
 
 # -- analysis -------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarize_run(run: dict[str, Any], doc_tokens: int) -> dict[str, Any]:
