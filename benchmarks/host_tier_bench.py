@@ -50,9 +50,9 @@ How time is measured (in the run's process, around vLLM's own step loop):
   run counts (other work on the machine can only slow a run down); every run
   is in the JSON.
 
-Engines start by forking a process that has imported vLLM once (vLLM's import
-alone takes 10-20 s here); every run is a new process with a new engine.
-``--no-fork`` starts each run with a fresh interpreter instead.
+Engines start from multiprocessing's forkserver, which has imported vLLM once
+(vLLM's import alone takes 10-20 s here); every run is a new process with a
+new engine. ``--no-fork`` spawns a fresh interpreter per run instead.
 
 Usage::
 
@@ -73,7 +73,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -97,6 +96,8 @@ CONFIGS = ("none", "host", "example")
 REUSE_LEVELS = (0.0, 0.25, 0.5, 0.75, 1.0)
 BLOCK_SIZE = 128  # vLLM's CPU default, set explicitly so sizes are exact
 RUN_TIMEOUT_S = 900
+#: What the forkserver imports once, before it forks the runs.
+FORKSERVER_PRELOAD = ["torch", "vllm", "vllm.entrypoints.llm", "vllm_kvmem"]
 TARGET_ZERO_REUSE_LOSS = 0.02
 TARGET_HIT_SPEEDUP = 5.0
 
@@ -342,40 +343,16 @@ def _run_and_write(spec_path: str) -> int:
     return 0
 
 
-def zygote_main(log_path: str) -> int:
-    """Import vLLM once, then fork one fresh process per run (vLLM's import
-    alone takes 10-20 s on this machine). Protocol on stdin/stdout: a spec path
-    in, ``DONE <rc>`` out; everything else goes to the log."""
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    import torch  # noqa: F401
-    import vllm  # noqa: F401
-    from vllm import LLM  # noqa: F401
-
-    import vllm_kvmem  # noqa: F401
-
-    proto.write("READY\n")
-    while line := sys.stdin.readline():
-        spec_path = line.strip()
-        if not spec_path:
-            continue
-        spec = json.loads(Path(spec_path).read_text())
-        pid = os.fork()
-        if pid == 0:
-            signal.alarm(RUN_TIMEOUT_S)  # a hung run dies instead of the sweep
-            run_log = os.open(spec["log_path"], os.O_WRONLY | os.O_CREAT, 0o644)
-            os.dup2(run_log, 1)
-            os.dup2(run_log, 2)
-            rc = 1
-            try:
-                rc = _run_and_write(spec_path)
-            finally:
-                os._exit(rc)
-        _, status = os.waitpid(pid, 0)
-        proto.write(f"DONE {os.waitstatus_to_exitcode(status)}\n")
-    return 0
+def _child(spec_path: str) -> None:
+    """One run, in a new process (forked from the forkserver, or spawned): its
+    output goes to the run's log, and a hung run dies instead of the sweep."""
+    spec = json.loads(Path(spec_path).read_text())
+    signal.alarm(RUN_TIMEOUT_S)
+    os.chdir(ROOT)
+    run_log = os.open(spec["log_path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(run_log, 1)
+    os.dup2(run_log, 2)
+    sys.exit(_run_and_write(spec_path))
 
 
 def engine_env() -> dict[str, str]:
@@ -388,66 +365,37 @@ def engine_env() -> dict[str, str]:
 
 
 class Runner:
-    """Starts runs in fresh processes: forked from a zygote, or spawned."""
+    """Starts every run in a new process with a new engine. By default from
+    multiprocessing's forkserver, which imports vLLM once (vLLM's import alone
+    takes 10-20 s here) and forks each run from there; ``fork=False`` spawns a
+    fresh interpreter per run."""
 
     def __init__(self, workdir: Path, fork: bool) -> None:
-        self.workdir = workdir
-        self.zygote: subprocess.Popen[str] | None = None
-        if fork and hasattr(os, "fork"):
-            self.zygote = subprocess.Popen(
-                [sys.executable, __file__, "--zygote", str(workdir / "zygote.log")],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=engine_env(),
-                cwd=ROOT,
-                text=True,
-            )
-            if self._read_line() != "READY":
-                raise RuntimeError(
-                    "the engine process did not start:\n"
-                    + (workdir / "zygote.log").read_text()[-4000:]
-                )
+        import multiprocessing
 
-    def _read_line(self) -> str:
-        assert self.zygote is not None and self.zygote.stdout is not None
-        return self.zygote.stdout.readline().strip()
+        os.environ.update(engine_env())  # the forkserver and runs inherit it
+        fork = fork and "forkserver" in multiprocessing.get_all_start_methods()
+        self.ctx = multiprocessing.get_context("forkserver" if fork else "spawn")
+        if fork:
+            self.ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
 
     def run(self, spec: dict[str, Any]) -> tuple[int, dict[str, Any] | None, str]:
         spec_path = Path(spec["log_path"]).with_suffix(".spec.json")
         spec_path.write_text(json.dumps(spec))
-        if self.zygote is not None:
-            assert self.zygote.stdin is not None
-            self.zygote.stdin.write(f"{spec_path}\n")
-            self.zygote.stdin.flush()
-            line = self._read_line()
-            rc = int(line.split()[1]) if line.startswith("DONE") else -1
-        else:
-            with open(spec["log_path"], "w") as log:
-                try:
-                    rc = subprocess.run(
-                        [sys.executable, __file__, "--worker", str(spec_path)],
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=engine_env(),
-                        cwd=ROOT,
-                        timeout=RUN_TIMEOUT_S,
-                    ).returncode
-                except subprocess.TimeoutExpired:
-                    rc = 124
+        proc = self.ctx.Process(target=_child, args=(str(spec_path),))
+        proc.start()
+        proc.join(RUN_TIMEOUT_S + 60)  # the run's own alarm fires first
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        rc = proc.exitcode if proc.exitcode is not None else 124
         result_path = Path(spec["result_path"])
         result = json.loads(result_path.read_text()) if result_path.exists() else None
         log_text = Path(spec["log_path"]).read_text(errors="replace")
         return rc, result, log_text
 
     def close(self) -> None:
-        if self.zygote is not None:
-            assert self.zygote.stdin is not None
-            self.zygote.stdin.close()
-            try:
-                self.zygote.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.zygote.kill()
-                self.zygote.wait()
+        """Nothing to release: multiprocessing stops its forkserver at exit."""
 
 
 # -- analysis -------------------------------------------------------------------
@@ -1150,13 +1098,5 @@ def replot(path: Path) -> int:
     return 0
 
 
-def _entry(argv: list[str]) -> int:
-    if argv[:1] == ["--zygote"]:
-        return zygote_main(argv[1])
-    if argv[:1] == ["--worker"]:
-        return _run_and_write(argv[1])
-    return main()
-
-
 if __name__ == "__main__":
-    sys.exit(_entry(sys.argv[1:]))
+    sys.exit(main())

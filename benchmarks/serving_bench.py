@@ -95,13 +95,11 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +108,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 from _report import provenance, versions  # noqa: E402
+from _server import ApiServer, http  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "tier")
@@ -376,23 +375,6 @@ def bench_lock(path: str = LOCK_PATH):
         os.close(fd)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str, data: bytes | None = None, timeout: float = 30) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode(errors="replace")
-
-
 def server_env(threads: int) -> dict[str, str]:
     """This process's environment (PYTHONPATH included: it picks the code under
     test), plus what the server needs."""
@@ -423,60 +405,21 @@ def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]
     return cmd
 
 
-class Server:
-    """An OpenAI server subprocess on 127.0.0.1, its log in a file."""
+class Server(ApiServer):
+    """One configuration's server, with vLLM's /metrics and prefix-cache reset."""
 
     def __init__(self, config: str, cmd_args: list[str], env: dict, log: Path):
+        super().__init__(
+            cmd_args,
+            log,
+            env=env,
+            name=f"{config} server",
+            ready_timeout_s=READY_TIMEOUT_S,
+        )
         self.config = config
-        self.cmd_args = cmd_args
-        self.env = env
-        self.log_path = log
-        self.proc: subprocess.Popen | None = None
-        self.port = 0
-        self.start_s: float | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.port = _free_port()
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--host", "127.0.0.1", "--port", str(self.port), *self.cmd_args,
-        ]  # fmt: skip
-        t0 = time.monotonic()
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=self.log_path.parent, env=self.env, stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = t0 + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.config} server exited with {self.proc.returncode}:\n"
-                    + self.log_tail()
-                )
-            with contextlib.suppress(OSError):
-                if _http(f"{self.url}/health", timeout=2)[0] == 200:
-                    self.start_s = time.monotonic() - t0
-                    return
-            time.sleep(1)  # polling a readiness probe, bounded by the deadline
-        raise RuntimeError(f"{self.config} server not ready in {READY_TIMEOUT_S} s")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(_http(f"{self.url}/metrics", timeout=30)[1])
+        return parse_metrics(http(f"{self.url}/metrics", timeout=30)[1])
 
     def settled_metrics(self, timeout: float = 15.0) -> dict[str, float]:
         """/metrics once two reads 0.5 s apart agree (stats reach /metrics
@@ -494,26 +437,13 @@ class Server:
     def reset_prefix_cache(self, attempts: int = 20) -> None:
         """Empty the device prefix cache and the connector's (host tier's)."""
         for _ in range(attempts):
-            code, body = _http(
+            code, body = http(
                 f"{self.url}/reset_prefix_cache?reset_external=true", data=b"{}"
             )
             if code == 200 and json.loads(body).get("success"):
                 return
             time.sleep(0.5)  # blocks still held by a finishing request
         raise RuntimeError(f"{self.config}: /reset_prefix_cache failed: {code} {body}")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
 
 
 def client_argv(

@@ -78,7 +78,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -96,6 +95,7 @@ if importlib.util.find_spec("vllm_kvmem") is None:
     sys.path.append(str(ROOT))
 
 from _report import provenance, versions  # noqa: E402
+from _server import ApiServer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "tier")
@@ -180,16 +180,8 @@ def build_prompts(args: argparse.Namespace) -> dict[str, list[int]]:
 # -- the server -----------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_args(config: str, model: Path, port: int) -> list[str]:
+def server_args(config: str, model: Path) -> list[str]:
     args = [
-        "-m", "vllm.entrypoints.openai.api_server",
-        "--host", "127.0.0.1", "--port", str(port),
         "--model", str(model), "--served-model-name", "stall",
         "--kv-cache-memory-bytes", DEVICE_KV,
         "--block-size", str(BLOCK_SIZE),
@@ -228,51 +220,6 @@ def kvmem_path(cwd: Path) -> str:
         timeout=120,
     )
     return out.stdout.strip() or out.stderr.strip()[-500:]
-
-
-class Server:
-    """One OpenAI server subprocess on 127.0.0.1, its log in a file."""
-
-    def __init__(self, config: str, model: Path, workdir: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, *server_args(config, model, self.port)],
-            cwd=workdir,
-            env=server_env(),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def wait_ready(self) -> float:
-        import requests
-
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < READY_TIMEOUT_S:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)  # polling the readiness probe, bounded above
-        raise RuntimeError(f"server not ready in {READY_TIMEOUT_S} s")
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 # -- one run --------------------------------------------------------------------
@@ -490,11 +437,17 @@ def run_workload(url: str, prompts: dict[str, list[int]], args) -> dict[str, Any
 
 def run_one(config: str, model: Path, workdir: Path, n: int, prompts, args):
     log = workdir / f"server-{n}-{config}.log"
-    server = Server(config, model, workdir, log)
+    server = ApiServer(
+        server_args(config, model),
+        log,
+        env=server_env(),
+        cwd=workdir,
+        ready_timeout_s=READY_TIMEOUT_S,
+    )
     run: dict[str, Any] = {"config": config, **wait_idle(args.idle_wait)}
     run["loadavg_before"] = os.getloadavg()
     try:
-        run["server_start_s"] = server.wait_ready()
+        run["server_start_s"] = server.start()
         other = OtherWork(server.proc.pid)
         run["result"] = run_workload(server.url, prompts, args)
         run["other_cpu_share"] = other.share()
@@ -914,7 +867,10 @@ def build_report(
             "kv_bytes_per_token": shape.kv_bytes_per_token(),
         },
         "server": {
-            "args_none": server_args("none", model, 0)[2:],
+            "args_none": [
+                *("--host", "127.0.0.1", "--port", "0"),
+                *server_args("none", model),
+            ],
             "args_tier_extra": ["--kv-host-cache-bytes", HOST_KV],
             "note": "--port 0 stands for a free port picked per run; one fresh "
             "server per run",

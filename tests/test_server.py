@@ -9,86 +9,37 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 
-from tests.helpers import ROOT, engine_env
+from tests.helpers import ROOT, engine_env, import_script
 from vllm_kvmem.demo import documents
 from vllm_kvmem.demo_engine import PP_COMPILATION
 
 pytestmark = pytest.mark.engine
 
-READY_TIMEOUT_S = 420
+
+@pytest.fixture(scope="module")
+def servers():
+    """``benchmarks/_server.py``, the server harness the benchmarks use."""
+    yield from import_script(ROOT / "benchmarks" / "_server.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _server(servers, args: list[str], log_path, **env: str):
+    return servers.ApiServer(args, log_path, env=engine_env(**env), cwd=ROOT)
 
 
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}")
-        try:
-            if requests.get(url, timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(1)  # polling a readiness probe, bounded by the deadline
-    raise AssertionError("server not ready in time")
-
-
-class _Server:
-    """An OpenAI server subprocess on 127.0.0.1, its log in a file."""
-
-    def __init__(self, args: list[str], log_path, **env: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--host", "127.0.0.1", "--port", str(self.port), *args,
-        ]  # fmt: skip
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=engine_env(**env), stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    def __enter__(self) -> _Server:
-        try:
-            _wait_ready(self.proc, f"{self.url}/health")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-    def complete(self, model: str, prompt: str, max_tokens: int = 4) -> dict:
-        resp = requests.post(
-            f"{self.url}/v1/completions",
-            json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                  "temperature": 0},
-            timeout=120,
-        )  # fmt: skip
-        assert resp.status_code == 200, resp.text
-        return resp.json()
+def _complete(server, model: str, prompt: str, max_tokens: int = 4) -> dict:
+    resp = requests.post(
+        f"{server.url}/v1/completions",
+        json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+              "temperature": 0},
+        timeout=120,
+    )  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    return resp.json()
 
 
 def _metric(text: str, name: str) -> float:
@@ -101,16 +52,16 @@ def _metric(text: str, name: str) -> float:
     return sum(values)
 
 
-def test_host_tier_metrics_on_the_server(model_8l, tmp_path):
+def test_host_tier_metrics_on_the_server(model_8l, tmp_path, servers):
     args = [
         "--model", str(model_8l), "--max-model-len", "2048", "--enforce-eager",
         "--kv-cache-memory-bytes", "12M", "--kv-host-cache-bytes", "256M",
     ]  # fmt: skip
     docs = documents(6)
-    with _Server(args, tmp_path / "server.log") as server:
+    with _server(servers, args, tmp_path / "server.log") as server:
         for _ in range(2):  # the second pass hits the host tier
             for d in docs:
-                server.complete(str(model_8l), d)
+                _complete(server, str(model_8l), d)
         deadline = time.monotonic() + 60
         while True:  # stats reach /metrics with the engine's next stats update
             text = requests.get(f"{server.url}/metrics", timeout=10).text
@@ -119,7 +70,7 @@ def test_host_tier_metrics_on_the_server(model_8l, tmp_path):
             ):
                 break
             assert time.monotonic() < deadline, text[-3000:]
-            server.complete(str(model_8l), docs[0])  # more traffic, more stats
+            _complete(server, str(model_8l), docs[0])  # more traffic, more stats
     for name in (
         "vllm:kvmem_host_lookup_tokens_total",
         "vllm:kvmem_host_blocks_spilled_total",
@@ -137,7 +88,7 @@ def test_host_tier_metrics_on_the_server(model_8l, tmp_path):
     assert "Host KV tier: " in (tmp_path / "server.log").read_text()
 
 
-def test_server_flags_split_and_serve(model_8l, tmp_path):
+def test_server_flags_split_and_serve(model_8l, tmp_path, servers):
     args = [
         "--model", str(model_8l),
         "--pipeline-parallel-size", "2",
@@ -147,8 +98,8 @@ def test_server_flags_split_and_serve(model_8l, tmp_path):
         "--compilation-config", json.dumps(PP_COMPILATION),
     ]  # fmt: skip
     log_path = tmp_path / "server.log"
-    with _Server(args, log_path, VLLM_PP_LAYER_PARTITION="6,2") as server:
-        out = server.complete(str(model_8l), "hello world", max_tokens=5)
+    with _server(servers, args, log_path, VLLM_PP_LAYER_PARTITION="6,2") as server:
+        out = _complete(server, str(model_8l), "hello world", max_tokens=5)
         assert out["usage"]["completion_tokens"] == 5
     text = log_path.read_text()
     assert "'enable_pp_prop_kv_cache': True" in text, text[:3000]

@@ -104,24 +104,16 @@ def test_tier_budget_variants(bench, tmp_path):
         bench._configs("tier@lots")
     with pytest.raises(argparse.ArgumentTypeError, match=r"\['tire'\]"):
         bench._configs("tire")
-    args = bench.server_args("tier@256M", tmp_path, 8000)
-    assert args[-4:] == [
-        "--kv-host-cache-bytes",
-        "3G",
-        "--kv-host-cache-step-bytes",
-        "256M",
-    ]
-    assert "--kv-host-cache-bytes" not in bench.server_args("none", tmp_path, 8000)
+    assert "--kv-host-cache-bytes" not in bench.server_args("none", tmp_path)
     assert bench._configs("tier+drop,tier@64M+copy") == ["tier+drop", "tier@64M+copy"]
     with pytest.raises(argparse.ArgumentTypeError, match="tier\\+drop"):
         bench._configs("tier+keep")
-    drop = bench.server_args("tier@64M+drop", tmp_path, 8000)
-    assert drop[-4:] == [
-        "--kv-host-cache-step-bytes",
-        "64M",
-        "--kv-host-cache-late-spill",
-        "drop",
-    ]
+    step, late = "--kv-host-cache-step-bytes", "--kv-host-cache-late-spill"
+    for config, tail in (
+        ("tier@256M", ["--kv-host-cache-bytes", "3G", step, "256M"]),
+        ("tier@64M+drop", [step, "64M", late, "drop"]),
+    ):
+        assert bench.server_args(config, tmp_path)[-4:] == tail, config
     runs = [{"config": c, "summary": None} for c in ("tier@256M", "none")]
     assert bench.aggregate(runs) == {}  # no finished run, nothing to aggregate
 

