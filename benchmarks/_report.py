@@ -1,4 +1,5 @@
-"""What every benchmark's JSON says about where and how it ran.
+"""What every benchmark's JSON says about where and how it ran, and how it
+prints its verdicts.
 
 Shared by the scripts in this folder (``python benchmarks/X.py`` puts the
 folder on ``sys.path``; the tests' ``import_script`` does the same).
@@ -12,6 +13,8 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def provenance(
@@ -47,3 +50,34 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def print_targets(targets: Iterable[dict[str, Any]], label: Any = None) -> None:
+    """One ``PASS|FAIL|SKIP  name: detail`` line per target (``passed`` None
+    is a skip); ``label(target)`` may replace ``name: detail``."""
+    print()
+    for t in targets:
+        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[t["passed"]]
+        text = label(t) if label else f"{t['name']}: {t['detail']}"
+        print(f"{verdict}  {text}")
+
+
+def print_rows(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[object]],
+    *,
+    notes: Sequence[str] = (),
+    left: int = 1,
+) -> None:
+    """A blank line, ``notes``, then the table (the project's one renderer)
+    with a rule under its header."""
+    from vllm_kvmem.core.table import render_table
+
+    print()
+    for line in notes:
+        print(line)
+    head, *body = render_table(headers, list(rows), left=left, sep=" ")
+    print(head)
+    print("-" * len(head))
+    for line in body:
+        print(line)

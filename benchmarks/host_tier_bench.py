@@ -78,7 +78,7 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 if str(ROOT) not in sys.path:  # run from a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
-from _report import provenance, versions  # noqa: E402
+from _model import ModelShape  # noqa: E402
+from _report import print_rows, print_targets, provenance, versions  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from vllm_kvmem.core.stats import lcg, percentile  # noqa: E402
@@ -100,29 +101,6 @@ RUN_TIMEOUT_S = 900
 FORKSERVER_PRELOAD = ["torch", "vllm", "vllm.entrypoints.llm", "vllm_kvmem"]
 TARGET_ZERO_REUSE_LOSS = 0.02
 TARGET_HIT_SPEEDUP = 5.0
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A random-weight Llama built by ``vllm_kvmem.tiny_model``."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int = 64
-    dtype: str = "float32"
-
-    @property
-    def tag(self) -> str:
-        return (
-            f"L{self.num_layers}-H{self.hidden_size}-A{self.num_heads}"
-            f"-KV{self.num_kv_heads}-D{self.head_dim}-{self.dtype}"
-        )
-
-    def kv_bytes_per_token(self) -> int:
-        elem = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return 2 * self.num_kv_heads * self.head_dim * elem * self.num_layers
 
 
 # 2k-token prefill of ~1-2.5 s on 2 busy cores in fp32 (measured: 8 layers of
@@ -586,16 +564,7 @@ def _ms(v: float | None) -> str:
 
 
 def print_table(best: dict[tuple[str, float], dict[str, Any]]) -> None:
-    header = (
-        f"{'config':<8} {'reuse':>5} {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
-        f"{'new p50':>8} {'rev p50':>8} {'req/s':>6} {'prompt tok/s':>12} "
-        f"{'vs none':>8} {'host hit':>8} {'rev hits':>8} {'cached':>7}"
-    )
-    print()
-    print("TTFT in ms; throughput over the measured phase; 'rev hits' = revisits")
-    print("whose whole document prefix came from a cache (device had evicted it)")
-    print(header)
-    print("-" * len(header))
+    rows = []
     for (config, reuse), run in sorted(
         best.items(), key=lambda kv: (kv[0][1], CONFIGS.index(kv[0][0]))
     ):
@@ -606,15 +575,30 @@ def print_table(best: dict[tuple[str, float], dict[str, Any]]) -> None:
             ratio = s["prompt_tokens_per_s"] / base["summary"]["prompt_tokens_per_s"]
             rel = f"{ratio - 1:+.1%}"
         hit = f"{s['host_hit_rate']:.0%}" if s["host_hit_rate"] is not None else "-"
-        print(
-            f"{config:<8} {reuse:>5.2f} {_ms(s['ttft_p50_s']):>9} "
-            f"{_ms(s['ttft_p90_s']):>7} {_ms(s['ttft_p99_s']):>7} "
-            f"{_ms(s['ttft_new_p50_s']):>8} {_ms(s['ttft_revisit_p50_s']):>8} "
-            f"{s['requests_per_s']:>6.2f} {s['prompt_tokens_per_s']:>12,.0f} "
-            f"{rel:>8} {hit:>8} "
-            f"{s['revisit_prefix_hits']:>3}/{s['revisits']:<4} "
-            f"{s['cached_token_frac']:>7.0%}"
+        rows.append(
+            (
+                config,
+                f"{reuse:.2f}",
+                *(_ms(s[f"ttft_{k}_s"]) for k in ("p50", "p90", "p99")),
+                _ms(s["ttft_new_p50_s"]),
+                _ms(s["ttft_revisit_p50_s"]),
+                f"{s['requests_per_s']:.2f}",
+                f"{s['prompt_tokens_per_s']:,.0f}",
+                rel,
+                hit,
+                f"{s['revisit_prefix_hits']}/{s['revisits']}",
+                f"{s['cached_token_frac']:.0%}",
+            )
         )
+    print_rows(
+        ["config", "reuse", "TTFT p50", "p90", "p99", "new p50", "rev p50", "req/s"]
+        + ["prompt tok/s", "vs none", "host hit", "rev hits", "cached"],
+        rows,
+        notes=[
+            "TTFT in ms; throughput over the measured phase; 'rev hits' = revisits",
+            "whose whole document prefix came from a cache (device had evicted it)",
+        ],
+    )
 
 
 def print_hits(hits: dict[str, Any]) -> None:
@@ -631,13 +615,6 @@ def print_hits(hits: dict[str, Any]) -> None:
             f"  {name:<12} n={g['n']:<3} p50 {_ms(g['p50_s']):>6} ms  "
             f"p90 {_ms(g['p90_s']):>6} ms{extra}"
         )
-
-
-def print_targets(targets: list[dict[str, Any]]) -> None:
-    print()
-    for t in targets:
-        verdict = "PASS" if t["passed"] else "FAIL"
-        print(f"{verdict}  {t['name']}: {t['detail']}")
 
 
 def plot(
@@ -708,25 +685,6 @@ def plot(
 
 
 # -- the benchmark ------------------------------------------------------------------
-
-
-def ensure_model(cache: Path, shape: ModelShape, max_pos: int) -> Path:
-    """Build the random-weight model once per shape (deterministic bytes)."""
-    from vllm_kvmem.tiny_model import build_tiny_model
-
-    path = cache / f"{shape.tag}-P{max_pos}"
-    if not (path / "model.safetensors").exists():
-        build_tiny_model(
-            path,
-            num_layers=shape.num_layers,
-            hidden_size=shape.hidden_size,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            dtype=shape.dtype,
-            max_position_embeddings=max_pos,
-        )
-    return path
 
 
 def _floats(s: str) -> list[float]:
@@ -916,7 +874,10 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     sizes = plan_sizes(args)
-    model = ensure_model(args.model_cache, args.shape, sizes["max_model_len"] + 256)
+    args.shape = replace(
+        args.shape, max_position_embeddings=sizes["max_model_len"] + 256
+    )
+    model = args.shape.ensure(args.model_cache)
 
     plan = []
     for reuse in args.reuse:
@@ -1083,7 +1044,7 @@ def replot(path: Path) -> int:
     hits = report["hit_vs_recompute"]
     png = path.with_suffix(".png")
     model = report["model"]
-    shape = ModelShape(**{k: model[k] for k in asdict(FULL_MODEL)})
+    shape = ModelShape(**{k: model[k] for k in asdict(FULL_MODEL) if k in model})
     plot(
         best,
         hits,

@@ -107,7 +107,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-from _report import provenance, versions  # noqa: E402
+from _report import print_rows, print_targets, provenance, versions  # noqa: E402
 from _server import ApiServer, http  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -593,25 +593,25 @@ TABLE_COLS = (
 
 
 def print_table(levels: list[dict[str, Any]], reuse_of: dict[str, float]) -> None:
-    print()
-    print("median [min-max] over repeats; ratio rows: tier/none paired per repeat")
-    head = f"{'level':<16} {'config':<6} " + " ".join(
-        f"{title:>22}" for _, title, _ in TABLE_COLS
-    )
-    head += f" {'host hit tok':>14}"
-    print(head)
-    print("-" * len(head))
+    rows = []
     for lv in levels:
         label = f"{lv['level']} ({reuse_of[lv['level']]:.0%})"
         for config in CONFIGS:
             s = lv["configs"].get(config)
-            if s is None:
-                continue
-            cells = " ".join(f"{_cell(s[f], nd):>22}" for f, _, nd in TABLE_COLS)
-            hits = s["host_hit_tokens"]["median"]
-            print(f"{label:<16} {config:<6} {cells} {_fmt(hits, 0):>14}")
-        cells = " ".join(f"{_cell(lv['ratios'][f], 3):>22}" for f, _, _ in TABLE_COLS)
-        print(f"{label:<16} {'ratio':<6} {cells}")
+            if s is not None:
+                cells = [_cell(s[f], nd) for f, _, nd in TABLE_COLS]
+                hits = _fmt(s["host_hit_tokens"]["median"], 0)
+                rows.append((label, config, *cells, hits))
+        cells = [_cell(lv["ratios"][f], 3) for f, _, _ in TABLE_COLS]
+        rows.append((label, "ratio", *cells, ""))
+    print_rows(
+        ["level", "config", *(title for _, title, _ in TABLE_COLS), "host hit tok"],
+        rows,
+        notes=[
+            "median [min-max] over repeats; ratio rows: tier/none paired per repeat"
+        ],
+        left=2,
+    )
 
 
 def print_correctness(corr: dict[str, Any]) -> None:
@@ -627,12 +627,6 @@ def print_correctness(corr: dict[str, Any]) -> None:
             extra = f", first diverging token >= {first}" if first is not None else ""
             line += f"  {label}: {c[f'{key}_matching']}/{c[f'{key}_compared']}{extra}"
         print(line)
-
-
-def print_targets(targets: list[dict[str, Any]]) -> None:
-    print()
-    for t in targets:
-        print(f"{'PASS' if t['passed'] else 'FAIL'}  {t['name']}: {t['detail']}")
 
 
 def plot(

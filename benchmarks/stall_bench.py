@@ -84,7 +84,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 if importlib.util.find_spec("vllm_kvmem") is None:
     sys.path.append(str(ROOT))
 
-from _report import provenance, versions  # noqa: E402
+from _model import ModelShape  # noqa: E402
+from _report import print_rows, print_targets, provenance, versions  # noqa: E402
 from _server import ApiServer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -112,31 +113,6 @@ IDLE_BUSY_MAX = 0.25  # other work's share of the CPU that a run waits out
 VOCAB_SIZE = 2048
 FIRST_ID = 4  # ids 0..3 are the tokenizer's special tokens
 BOS_ID = 1
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A random-weight Llama built by ``vllm_kvmem.tiny_model``."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    max_position_embeddings: int = 8192
-
-    @property
-    def tag(self) -> str:
-        return (
-            f"L{self.num_layers}-H{self.hidden_size}-A{self.num_heads}"
-            f"-KV{self.num_kv_heads}-D{self.head_dim}-{self.dtype}"
-            f"-P{self.max_position_embeddings}"
-        )
-
-    def kv_bytes_per_token(self) -> int:
-        elem = 2 if self.dtype in ("bfloat16", "float16") else 4
-        return 2 * self.num_kv_heads * self.head_dim * elem * self.num_layers
 
 
 SHAPES = {
@@ -615,49 +591,56 @@ def _cell(stat: dict[str, Any] | None, ms: bool = True, x: bool = False) -> str:
 
 
 def print_table(agg: dict[str, dict[str, Any]], runs: list[dict[str, Any]]) -> None:
-    print()
-    print("Per run (ms; worst gap = A's longest gap overlapping B's send..response;")
-    print("busy/other = CPU share of other work just before / during the run)")
-    head = (
-        f"{'config':<6} {'#':>2} {'A med gap':>9} {'A worst':>8} {'ratio':>7} "
-        f"{'B lat':>7} {'B cached':>9} {'A ttft':>7} {'D1':>6} {'busy':>5} {'other':>5}"
-    )
-    print(head)
-    print("-" * len(head))
+    rows, failed = [], []
     for r in runs:
         s = r.get("summary")
         if not s:
-            print(f"{r['config']:<6} {r['repeat']:>2} failed: {r.get('error')}")
+            failed.append(f"{r['config']} #{r['repeat']} failed: {r.get('error')}")
             continue
         ratio = f"{s['gap_ratio']:.1f}x" if s["gap_ratio"] is not None else "-"
-        print(
-            f"{r['config']:<6} {r['repeat']:>2} {_ms(s['a_median_gap_s']):>9} "
-            f"{_ms(s['a_worst_gap_s']):>8} {ratio:>7} {_ms(s['b_latency_s']):>7} "
-            f"{s['b_cached_tokens']!s:>4}/{s['b_prompt_tokens']:<4} "
-            f"{_ms(s['a_ttft_s']):>7} {_ms(s['d1_latency_s']):>6} "
-            f"{r['cpu_busy_before']:>5.0%} {r.get('other_cpu_share', 0):>5.0%}"
+        rows.append(
+            (
+                r["config"],
+                r["repeat"],
+                _ms(s["a_median_gap_s"]),
+                _ms(s["a_worst_gap_s"]),
+                ratio,
+                _ms(s["b_latency_s"]),
+                f"{s['b_cached_tokens']}/{s['b_prompt_tokens']}",
+                _ms(s["a_ttft_s"]),
+                _ms(s["d1_latency_s"]),
+                f"{r['cpu_busy_before']:.0%}",
+                f"{r.get('other_cpu_share', 0):.0%}",
+            )
         )
-    print()
-    print("Per config: median (min-max) over repeats")
-    head = (
-        f"{'config':<6} {'runs':>4} {'A median gap ms':>16} {'A worst gap ms':>18} "
-        f"{'worst/median':>18} {'B latency ms':>18} {'B cached tokens':>18}"
+    print_rows(
+        ["config", "#", "A med gap", "A worst", "ratio", "B lat", "B cached"]
+        + ["A ttft", "D1", "busy", "other"],
+        rows,
+        notes=[
+            "Per run (ms; worst gap = A's longest gap overlapping B's send..response;",
+            "busy/other = CPU share of other work just before / during the run)",
+        ],
     )
-    print(head)
-    print("-" * len(head))
-    for config, a in agg.items():
-        print(
-            f"{config:<6} {a['runs']:>4} {_cell(a['a_median_gap_s']):>16} "
-            f"{_cell(a['a_worst_gap_s']):>18} {_cell(a['gap_ratio'], x=True):>18} "
-            f"{_cell(a['b_latency_s']):>18} "
-            f"{_cell(a['b_cached_tokens'], ms=False):>18}"
-        )
-
-
-def print_targets(targets: list[dict[str, Any]]) -> None:
-    print()
-    for t in targets:
-        print(f"{'PASS' if t['passed'] else 'FAIL'}  {t['name']}: {t['detail']}")
+    for line in failed:
+        print(line)
+    print_rows(
+        ["config", "runs", "A median gap ms", "A worst gap ms", "worst/median"]
+        + ["B latency ms", "B cached tokens"],
+        [
+            (
+                config,
+                a["runs"],
+                _cell(a["a_median_gap_s"]),
+                _cell(a["a_worst_gap_s"]),
+                _cell(a["gap_ratio"], x=True),
+                _cell(a["b_latency_s"]),
+                _cell(a["b_cached_tokens"], ms=False),
+            )
+            for config, a in agg.items()
+        ],
+        notes=["Per config: median (min-max) over repeats"],
+    )
 
 
 def plot(runs: list[dict[str, Any]], configs: list[str], path: Path, title: str):
@@ -697,25 +680,6 @@ def plot(runs: list[dict[str, Any]], configs: list[str], path: Path, title: str)
 
 
 # -- the benchmark ----------------------------------------------------------------
-
-
-def ensure_model(cache: Path, shape: ModelShape) -> Path:
-    """Build the random-weight model once per shape (deterministic bytes)."""
-    from vllm_kvmem.tiny_model import build_tiny_model
-
-    path = cache / shape.tag
-    if not (path / "model.safetensors").exists():
-        build_tiny_model(
-            path,
-            num_layers=shape.num_layers,
-            hidden_size=shape.hidden_size,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            dtype=shape.dtype,
-            max_position_embeddings=shape.max_position_embeddings,
-        )
-    return path
 
 
 def _configs(s: str) -> list[str]:
@@ -923,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.model_shape]
-    model = ensure_model(args.model_cache, shape)
+    model = shape.ensure(args.model_cache)
     prompts = build_prompts(args)
     plan = [(rep, c) for rep in range(args.repeats) for c in args.configs]
 

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch  # noqa: E402
+from _report import print_rows, print_targets  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 try:
@@ -398,46 +399,37 @@ def evaluate_targets(
 
 
 def print_table(results: list[Result], ceiling: dict[str, dict[str, float]]) -> None:
-    print()
-    print(
+    note = (
         f"ceiling (one {ceiling['d2h']['bytes'] / MIB:.0f} MiB copy, best of "
         f"before/after): d2h {ceiling['d2h']['gbps']:.2f} GB/s, "
         f"h2d {ceiling['h2d']['gbps']:.2f} GB/s"
     )
-    header = (
-        f"{'shape':<6} {'tokens':>6} {'block':>9} {'layout':<18} {'pattern':<12}"
-        f" {'d2h GB/s':>9} {'ops':>5} {'h2d GB/s':>9} {'ops':>5}"
-    )
-    print(header)
-    print("-" * len(header))
     rows: dict[tuple, dict[str, Result]] = {}
     for r in results:
         rows.setdefault((r.shape, r.block_size, r.layout, r.pattern), {})[
             r.direction
         ] = r
-    for (shape, bs, layout, pattern), pair in rows.items():
-        d2h, h2d = pair["d2h"], pair["h2d"]
-        print(
-            f"{shape:<6} {bs:>6} {_human(d2h.block_bytes):>9} "
-            f"{layout:<18} {pattern:<12}"
-            f" {d2h.gbps:>9.2f} {d2h.num_ops:>5} {h2d.gbps:>9.2f} {h2d.num_ops:>5}"
-        )
+    print_rows(
+        ["shape", "tokens", "block", "layout", "pattern"]
+        + ["d2h GB/s", "ops", "h2d GB/s", "ops"],
+        [
+            (shape, bs, _human(p["d2h"].block_bytes), layout, pattern)
+            + (f"{p['d2h'].gbps:.2f}", p["d2h"].num_ops)
+            + (f"{p['h2d'].gbps:.2f}", p["h2d"].num_ops)
+            for (shape, bs, layout, pattern), p in rows.items()
+        ],
+        notes=[note],
+    )
 
 
-def print_targets(targets: list[dict[str, Any]]) -> None:
-    print()
-    for t in targets:
-        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[t["passed"]]
-        value = t["value"]
-        shown = (
-            f"{value:.2f}x"
-            if "4x" in t["name"]
-            else (f"{value:.0%}" if "ceiling" in t["name"] else f"{value:.2f} GB/s")
-        )
-        print(
-            f"{verdict}  {t['name']} [{t['shape']}, {t['direction']}]: {shown} "
-            f"({t['detail']})"
-        )
+def _target_label(t: dict[str, Any]) -> str:
+    value = t["value"]
+    shown = (
+        f"{value:.2f}x"
+        if "4x" in t["name"]
+        else (f"{value:.0%}" if "ceiling" in t["name"] else f"{value:.2f} GB/s")
+    )
+    return f"{t['name']} [{t['shape']}, {t['direction']}]: {shown} ({t['detail']})"
 
 
 def _human(nbytes: int) -> str:
@@ -615,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, ceiling, png, f"KV block transfers on {device.type} ({device_name})")
 
     print_table(results, ceiling)
-    print_targets(targets)
+    print_targets(targets, _target_label)
     print(f"\nJSON: {out}\nPNG:  {png}")
     return 0
 
