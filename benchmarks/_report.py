@@ -8,12 +8,14 @@ folder on ``sys.path``; the tests' ``import_script`` does the same).
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import shlex
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -81,3 +83,18 @@ def print_rows(
     print("-" * len(head))
     for line in body:
         print(line)
+
+
+def write_json(out: Path, report: dict[str, Any]) -> Path:
+    """Save the report; return where its plot goes (next to it)."""
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return out.with_suffix(".png")
+
+
+def finish(out: Path, png: Path, failed: int, see: str) -> int:
+    """The last lines of a run and its exit code: failed runs, then where the
+    JSON and the plot are."""
+    if failed:
+        print(f"\n{failed} run(s) failed; see {see} in the JSON")
+    print(f"\nJSON: {out}\nPNG:  {png}")
+    return 1 if failed else 0

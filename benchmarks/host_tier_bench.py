@@ -88,7 +88,7 @@ if str(ROOT) not in sys.path:  # run from a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
 from _model import ModelShape  # noqa: E402
-from _report import print_rows, print_targets, provenance, versions  # noqa: E402
+from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from vllm_kvmem.core.stats import lcg, percentile  # noqa: E402
@@ -1014,8 +1014,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "runs": runs,
     }
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    png = out.with_suffix(".png")
+    png = write_json(out, report)
     if best:
         plot(
             best,
@@ -1031,10 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngreedy outputs identical, host vs none: {report['outputs_identical']}")
     print_targets(targets)
     failed = [r for r in runs if r["summary"] is None]
-    if failed:
-        print(f"\n{len(failed)} run(s) failed; see error_log_tail in the JSON")
-    print(f"\nJSON: {out}\nPNG:  {png}")
-    return 1 if failed else 0
+    return finish(out, png, len(failed), "error_log_tail")
 
 
 def replot(path: Path) -> int:

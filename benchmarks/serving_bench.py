@@ -107,7 +107,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-from _report import print_rows, print_targets, provenance, versions  # noqa: E402
+from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
 from _server import ApiServer, http  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -669,23 +669,19 @@ def plot(
         if fig_key == "req_per_s":
             zero = [x for x, n in zip(xs, names) if reuse_of[n] == 0]
             rest = [x for x, n in zip(xs, names) if reuse_of[n] > 0]
-            if zero:
-                ax.hlines(
-                    TARGET_ZERO_REUSE_RATIO,
-                    min(zero) - 0.3,
-                    max(zero) + 0.3,
-                    colors="tab:red",
-                    linestyles="--",
-                    label="target",
-                )
-            if rest:
-                ax.hlines(
-                    TARGET_REUSE_RATIO,
-                    min(rest) - 0.3,
-                    max(rest) + 0.3,
-                    colors="tab:red",
-                    linestyles="--",
-                )
+            for where, target, label in (
+                (zero, TARGET_ZERO_REUSE_RATIO, "target"),
+                (rest, TARGET_REUSE_RATIO, None),
+            ):
+                if where:
+                    ax.hlines(
+                        target,
+                        min(where) - 0.3,
+                        max(where) + 0.3,
+                        colors="tab:red",
+                        linestyles="--",
+                        label=label,
+                    )
         else:
             ax.axhline(TARGET_P99_ITL_RATIO, color="tab:red", ls="--", label="target")
         ax.set_xticks(xs, labels)
@@ -948,8 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         "correctness": corr,
         "runs": runs,
     }
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    png = out.with_suffix(".png")
+    png = write_json(out, report)
     if any(lv["configs"] for lv in level_summaries):
         plot(
             level_summaries,
@@ -964,10 +959,7 @@ def main(argv: list[str] | None = None) -> int:
     print_correctness(corr)
     print_targets(targets)
     failed = [r for r in runs if not _ok(r)]
-    if failed:
-        print(f"\n{len(failed)} run(s) failed; see 'error' in the JSON")
-    print(f"\nJSON: {out}\nPNG:  {png}")
-    return 1 if failed else 0
+    return finish(out, png, len(failed), "'error'")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ if importlib.util.find_spec("vllm_kvmem") is None:
     sys.path.append(str(ROOT))
 
 from _model import ModelShape  # noqa: E402
-from _report import print_rows, print_targets, provenance, versions  # noqa: E402
+from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
 from _server import ApiServer  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -201,17 +201,23 @@ def kvmem_path(cwd: Path) -> str:
 # -- one run --------------------------------------------------------------------
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """A non-streaming completion; latency and usage."""
-    import requests
-
-    body = {
+def _body(prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy completion request of exactly ``max_tokens`` tokens."""
+    return {
         "model": "stall",
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
+        **extra,
     }
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A non-streaming completion; latency and usage."""
+    import requests
+
+    body = _body(prompt, max_tokens)
     t0 = time.perf_counter()
     r = requests.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
     t1 = time.perf_counter()
@@ -241,16 +247,13 @@ def _stream(
     ``progress`` once ``b_after`` tokens have arrived."""
     import requests
 
-    body = {
-        "model": "stall",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = _body(
+        prompt,
+        max_tokens,
+        stream=True,
+        return_token_ids=True,
+        stream_options={"include_usage": True},
+    )
     n = 0
     try:
         out["t_send"] = time.perf_counter()
@@ -932,8 +935,7 @@ def main(argv: list[str] | None = None) -> int:
         args, argv, model, plan, runs, discarded, server_kvmem, t_begin, True
     )
     agg, targets = report["summary"], report["targets"]
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    png = out.with_suffix(".png")
+    png = write_json(out, report)
     if agg:
         plot(
             runs,
@@ -946,10 +948,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(agg, runs)
     print_targets(targets)
     failed = [r for r in runs if not r["ok"]]
-    if failed:
-        print(f"\n{len(failed)} run(s) failed; see error_log_tail in the JSON")
-    print(f"\nJSON: {out}\nPNG:  {png}")
-    return 1 if failed else 0
+    return finish(out, png, len(failed), "error_log_tail")
 
 
 if __name__ == "__main__":

@@ -43,8 +43,6 @@ for the issue's targets.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import platform
 import random
 import statistics
@@ -56,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch  # noqa: E402
-from _report import print_rows, print_targets  # noqa: E402
+from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 try:
@@ -546,6 +544,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    t_begin = time.time()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -585,7 +584,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "host_pinned": HostBlockPool(1, 64).pinned,
         "cpu_threads": torch.get_num_threads(),
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        **provenance(
+            "transfer_bench.py",
+            argv,
+            t_begin,
+            "copies time the machine's memory bandwidth; other work on it lowers them",
+        ),
+        "versions": versions(),
         "config": {
             "iters": args.iters,
             "warmup": args.warmup,
@@ -602,14 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         "results": [asdict(r) for r in results],
         "targets": targets,
     }
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    png = out.with_suffix(".png")
+    png = write_json(out, report)
     plot(results, ceiling, png, f"KV block transfers on {device.type} ({device_name})")
 
     print_table(results, ceiling)
     print_targets(targets, _target_label)
-    print(f"\nJSON: {out}\nPNG:  {png}")
-    return 0
+    return finish(out, png, 0, "")
 
 
 if __name__ == "__main__":
