@@ -67,6 +67,7 @@ PNG plot next to it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -78,6 +79,7 @@ import tempfile
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -342,6 +344,21 @@ def engine_env() -> dict[str, str]:
     )
 
 
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` is ``env`` inside the block, and as it was after it (the
+    bench also runs inside the test process, which must not see the engine's
+    settings)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 class Runner:
     """Starts every run in a new process with a new engine. By default from
     multiprocessing's forkserver, which imports vLLM once (vLLM's import alone
@@ -351,7 +368,6 @@ class Runner:
     def __init__(self, workdir: Path, fork: bool) -> None:
         import multiprocessing
 
-        os.environ.update(engine_env())  # the forkserver and runs inherit it
         fork = fork and "forkserver" in multiprocessing.get_all_start_methods()
         self.ctx = multiprocessing.get_context("forkserver" if fork else "spawn")
         if fork:
@@ -361,7 +377,8 @@ class Runner:
         spec_path = Path(spec["log_path"]).with_suffix(".spec.json")
         spec_path.write_text(json.dumps(spec))
         proc = self.ctx.Process(target=_child, args=(str(spec_path),))
-        proc.start()
+        with _environment(engine_env()):  # what the forkserver and runs inherit
+            proc.start()
         proc.join(RUN_TIMEOUT_S + 60)  # the run's own alarm fires first
         if proc.is_alive():
             proc.kill()
