@@ -10,16 +10,12 @@ through the engine's own geometry.
 
 from __future__ import annotations
 
-import gc
-import logging
-import mmap
 import types
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.helpers import captured_log
 from vllm_kvmem.core.copy_engine import (
     BlockCopyEngine,
     HostBlockPool,
@@ -306,141 +302,8 @@ def test_region_validation():
     assert region.num_blocks == 5 and region.block_bytes == 200
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_pool_pinning_falls_back_with_one_warning():
-    with captured_log("vllm.kvmem.copy_engine") as records:
-        pool = HostBlockPool(4, 64, pin_memory=True)
-    assert not pool.pinned and pool.tensor.shape == (4, 64)
-    assert pool.tensor.data_ptr() % mmap.PAGESIZE == 0  # pinnable pages of its own
-    assert [r.levelno for r in records] == [logging.WARNING]
-    assert "pageable" in records[0].getMessage()
-    assert not HostBlockPool(4, 64).pinned  # default: pin only with CUDA
-
-
-# -- pinning, rollback and release ---------------------------------------------
-
-
-class FakeCudart:
-    """Records ``cudaHostRegister``/``cudaHostUnregister`` calls and fails the
-    ``fail_on``-th register call (1-based).
-
-    It stands in for the GPU this machine lacks: the pool reaches the CUDA
-    runtime only through ``copy_engine._cudart``, so what it does with the
-    runtime (which ranges it pins, what it undoes) is checked call by call.
-    """
-
-    ERROR = 2  # cudaErrorMemoryAllocation
-
-    def __init__(self, fail_on: int | None = None) -> None:
-        self.fail_on = fail_on
-        self.registered: list[tuple[int, int]] = []  # (address, size) that pinned
-        self.register_calls = 0
-        self.unregistered: list[int] = []
-        self.last_error_cleared = 0
-
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
-        self.register_calls += 1
-        if self.register_calls == self.fail_on:
-            return self.ERROR
-        self.registered.append((ptr, size))
-        return 0
-
-    def cudaHostUnregister(self, ptr: int) -> int:
-        assert ptr in {a for a, _ in self.registered}, "unregistered a foreign ptr"
-        assert ptr not in self.unregistered, "unregistered twice"
-        self.unregistered.append(ptr)
-        return 0
-
-    def cudaGetLastError(self) -> int:
-        self.last_error_cleared += 1
-        return 0
-
-
-PAGE = mmap.PAGESIZE
-
-
-@pytest.fixture
-def fake_cudart(monkeypatch):
-    """A fresh FakeCudart behind the pool's seam, with 4-page chunks so that
-    a pool of a few dozen KiB spans several chunks."""
-    from vllm_kvmem.core import copy_engine
-
-    fake = FakeCudart()
-    monkeypatch.setattr(copy_engine, "_cudart", lambda: fake)
-    monkeypatch.setattr(copy_engine, "HOST_REGISTER_CHUNK_BYTES", 4 * PAGE + 1)
-    return fake
-
-
-def _pool_span(pool: HostBlockPool) -> tuple[int, int]:
-    return pool.tensor.data_ptr(), -(-pool.nbytes // PAGE) * PAGE
-
-
-def test_pinned_chunks_cover_the_pool_exactly(fake_cudart):
-    # 10.5 pages of slots: 11 pages to pin, in chunks of 4 + 4 + 3 pages (the
-    # chunk size 4 pages + 1 byte is rounded down to whole pages).
-    pool = HostBlockPool(21, PAGE // 2, pin_memory=True)
-    start, span = _pool_span(pool)
-    assert pool.pinned and span == 11 * PAGE
-    chunks = fake_cudart.registered
-    assert [size for _, size in chunks] == [4 * PAGE, 4 * PAGE, 3 * PAGE]
-    assert chunks[0][0] == start
-    for (a, size), (b, _) in zip(chunks, chunks[1:]):
-        assert b == a + size  # no gap, no overlap
-    assert all(a % PAGE == 0 and size % PAGE == 0 for a, size in chunks)
-    assert chunks[-1][0] + chunks[-1][1] == start + span
-    pool.release()
-
-
-@pytest.mark.parametrize("fail_on", [1, 3, 4])
-def test_failed_chunk_rolls_back_the_chunks_before_it(fake_cudart, fail_on):
-    fake_cudart.fail_on = fail_on  # chunks before it pin, then it fails (of 4)
-    with captured_log("vllm.kvmem.copy_engine") as records:
-        pool = HostBlockPool(16, PAGE, pin_memory=True)
-    assert fake_cudart.register_calls == fail_on  # stopped at the failure
-    succeeded = [a for a, _ in fake_cudart.registered]
-    assert len(succeeded) == fail_on - 1
-    assert fake_cudart.unregistered == succeeded[::-1]  # exactly those, last first
-    assert fake_cudart.last_error_cleared >= 1  # the failure is not left pending
-    assert not pool.pinned
-    assert [r.levelno for r in records] == [logging.WARNING]
-    msg = records[0].getMessage()
-    assert "pageable" in msg and f"chunk {fail_on} of 4" in msg
-    pool.tensor.fill_(7)  # the pageable pool is usable
-    pool.release()
-    assert len(fake_cudart.unregistered) == fail_on - 1  # release unpins nothing
-
-
-def test_release_unpins_every_chunk_once_and_frees(fake_cudart):
-    from vllm_kvmem.core.copy_engine import live_pools
-
-    pool = HostBlockPool(12, PAGE, pin_memory=True)
-    chunks = [a for a, _ in fake_cudart.registered]
-    assert len(chunks) == 3 and pool in live_pools()
-    pool.release()
-    assert sorted(fake_cudart.unregistered) == sorted(chunks)
-    assert pool.released and not pool.pinned and pool.tensor.numel() == 0
-    assert pool not in live_pools()
-    pool.release()  # idempotent
-    del pool
-    gc.collect()  # the finalizer already ran: no second unregister
-    assert sorted(fake_cudart.unregistered) == sorted(chunks)
-
-
-def test_collected_pool_is_unpinned_by_its_finalizer(fake_cudart):
-    from vllm_kvmem.core.copy_engine import live_pools
-
-    before = len(live_pools())
-    pool = HostBlockPool(8, PAGE, pin_memory=True)
-    chunks = [a for a, _ in fake_cudart.registered]
-    assert len(live_pools()) == before + 1
-    del pool
-    gc.collect()
-    assert sorted(fake_cudart.unregistered) == sorted(chunks)
-    assert len(live_pools()) == before
-
-
 def test_engine_close_releases_its_pool_and_refuses_copies():
-    from vllm_kvmem.core.copy_engine import live_pools
+    from vllm_kvmem.core.host_pool import live_pools
 
     engine = make_engine(vllm_cache(BLHNC, [64] * 2), num_slots=8)
     pool = engine.pool
@@ -451,44 +314,3 @@ def test_engine_close_releases_its_pool_and_refuses_copies():
     engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         engine.save([1], [0])
-
-
-def test_pageable_pool_is_prefaulted_so_copies_do_not_fault():
-    """A save into a fresh pageable pool must not pay one page fault per page
-    (the first-touch cost that dominated the host tier's stalls on CPU)."""
-    import resource
-
-    nbytes = 64 << 20
-    src = torch.ones(nbytes, dtype=torch.uint8)
-
-    def faults_copying_into(pool: HostBlockPool) -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        pool.tensor.view(-1).copy_(src)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    cold = HostBlockPool(64, 1 << 20, pin_memory=False, prefault=False)
-    warm = HostBlockPool(64, 1 << 20, pin_memory=False)
-    assert warm.wait_prefaulted(timeout=60)
-    cold_faults, warm_faults = faults_copying_into(cold), faults_copying_into(warm)
-    # Without pre-faulting the copy faults at least once per 2 MiB (per 4 KiB
-    # page without transparent huge pages); pre-faulted, almost never.
-    assert cold_faults >= nbytes // (2 << 20)
-    assert warm_faults <= cold_faults // 8
-
-
-def test_background_prefault_never_overwrites_what_copies_wrote():
-    """The pool is usable at once: bytes written while the background
-    pre-fault runs survive it (a pre-fault that wrote zeros to each page
-    raced with the first saves and corrupted them)."""
-    from vllm_kvmem.core.copy_engine import MADV_POPULATE_WRITE, _populate_write
-
-    assert MADV_POPULATE_WRITE == 23
-    pool = HostBlockPool(256, 1 << 20, pin_memory=False)
-    flat = pool.tensor.view(-1)
-    flat.fill_(0xAB)  # races with the pre-fault thread started above
-    assert pool.wait_prefaulted(timeout=60)
-    assert bool((flat[:: mmap.PAGESIZE] == 0xAB).all())
-    assert bool((flat == 0xAB).all())
-    # Populating an already-written range keeps its bytes too.
-    assert _populate_write(flat) in (True, False)
-    assert bool((flat[:: mmap.PAGESIZE] == 0xAB).all())

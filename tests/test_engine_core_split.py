@@ -248,7 +248,12 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
 
     def config(budget=None, tokens=None):
         cfg = _config(model_8l, budget=budget or (1 << 30), tokens=tokens)
-        tight = DeviceLimit(free=900 << 20, cuda_graphs=300 << 20, staging=256 << 20)
+        tight = DeviceLimit(
+            free=1306 << 20,
+            cuda_graphs=300 << 20,
+            staging=512 << 20,
+            headroom=150 << 20,
+        )
         runtime = cfg.additional_config.setdefault(RUNTIME_KEY, {})
         runtime["device_limits"] = [asdict(tight), asdict(DeviceLimit(free=BIG))]
         limits = [tight.kv_bytes, BIG]  # 344 MiB on rank 0
@@ -258,9 +263,9 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), limits)
     limit = (
-        "(900.00 MiB free after loading the model, less 300.00 MiB for vLLM's CUDA "
-        "graph estimate, less 256.00 MiB for the host KV tier's staging buffer: "
-        "344.00 MiB)"
+        "(1,306.00 MiB free after loading the model, less 300.00 MiB for vLLM's "
+        "CUDA graph estimate, less 512.00 MiB for the host KV tier's staging "
+        "buffers, less 150.00 MiB for headroom: 344.00 MiB)"
     )
     # 344 MiB hold 917 blocks of 384 KiB (117,376 tokens) on stage 0, which
     # gets 3/4 of a budget: 458 MiB at most.

@@ -158,7 +158,7 @@ register()
 from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm_kvmem import host_tier
-from vllm_kvmem.core.copy_engine import live_pools
+from vllm_kvmem.core.host_pool import live_pools
 
 kwargs = json.loads(sys.argv[1])
 params = SamplingParams(max_tokens=2, temperature=0.0)

@@ -66,14 +66,32 @@ def test_uneven_split_via_llm_kwargs(model_8l):
     assert "pipeline-wide, split by KV bytes per block" in run.log
     assert "w/o flag: KV GiB" in run.log
     # The engine core collected both workers' limits (executor patch, across
-    # processes); on CPU nothing is allocated after the KV cache.
+    # processes). Stage 1 receives stage 0's hidden states and residual every
+    # step, into buffers allocated after the KV cache; stage 0 receives none.
     collected = re.search(r"KV cache limit per rank: (.*)\.", run.log)
     assert collected, run.log[-4000:]
-    assert re.fullmatch(
+    limits = re.fullmatch(
         r"rank 0: [\d,.]+ MiB free after loading the model; "
-        r"rank 1: [\d,.]+ MiB free after loading the model",
+        r"rank 1: [\d,.]+ MiB free after loading the model, less ([\d.]+) MiB "
+        r"for pipeline receive buffers: [\d,.]+ MiB",
         collected.group(1),
     )
+    assert limits, collected.group(1)
+    assert float(limits.group(1)) == round(_pp_receive_bytes(model_8l) / MiB, 2)
+
+
+def _pp_receive_bytes(model) -> int:
+    """What one pipeline receive holds: hidden states and residual for a full
+    batch, from vLLM's own config of the engine the test starts (``LLM``'s
+    defaults: its usage context sets the batch)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    args = EngineArgs(**_pp_kwargs(model, 64 * MiB))
+    cfg = args.create_engine_config(UsageContext.LLM_CLASS)
+    tokens = cfg.scheduler_config.max_num_batched_tokens
+    hidden = cfg.model_config.get_hidden_size()
+    return 2 * tokens * hidden * cfg.model_config.dtype.itemsize
 
 
 def test_even_split_via_additional_config_other_shape(model_6l):

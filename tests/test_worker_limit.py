@@ -103,6 +103,9 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     from vllm_kvmem import device_limits
     from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
 
+    headroom = device_limits.GPU_HEADROOM_BYTES
+    staging = 2 * DEFAULT_MAX_STAGING_BYTES  # one buffer per copy stream
+
     cfg = _vllm_config(
         model_8l,
         kv_cache_memory_bytes=1 << 30,
@@ -116,14 +119,20 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     assert limit.free == 7 << 30
     assert limit.cuda_graphs == 300 << 20
     assert worker.cudagraph_memory_estimate == 300 << 20  # vLLM compares later
-    assert limit.staging == DEFAULT_MAX_STAGING_BYTES
-    assert limit.kv_bytes == (7 << 30) - (300 << 20) - DEFAULT_MAX_STAGING_BYTES
+    assert limit.staging == staging
+    assert (limit.pp_buffers, limit.headroom) == (0, headroom)  # no pipeline
+    assert limit.kv_bytes == (7 << 30) - (300 << 20) - staging - headroom
     assert kv_budget.report_device_limit(worker, limit) == limit.kv_bytes
+    assert limit.describe() == (
+        "7,168.00 MiB free after loading the model, less 300.00 MiB for vLLM's "
+        "CUDA graph estimate, less 512.00 MiB for the host KV tier's staging "
+        "buffers, less 150.00 MiB for headroom: 6,206.00 MiB"
+    )
     # The tier's opt-in layout (BLHNC) copies blocks directly: no staging.
     cfg.cache_config.kv_cache_layout = "BLHNC"
     assert device_limits.staging_reserve_bytes(cfg) == 0
     cfg.cache_config.kv_cache_layout = "LBHNC"
-    assert device_limits.staging_reserve_bytes(cfg) == DEFAULT_MAX_STAGING_BYTES
+    assert device_limits.staging_reserve_bytes(cfg) == staging
 
 
 def test_gpu_limit_without_graphs_or_tier_is_free_memory(model_8l, monkeypatch):
@@ -137,7 +146,7 @@ def test_gpu_limit_without_graphs_or_tier_is_free_memory(model_8l, monkeypatch):
     worker = _gpu_worker(cfg, graph_bytes=300 << 20)
     limit = device_limits.measure(worker, _explicit_path_tail)
     assert (limit.cuda_graphs, limit.staging, limit.mm_reserved) == (0, 0, 0)
-    assert limit.kv_bytes == 7 << 30
+    assert limit.kv_bytes == (7 << 30) - device_limits.GPU_HEADROOM_BYTES
 
 
 def test_token_budget_with_multimodal_ipc_reservation_starts(model_8l, monkeypatch):
@@ -156,5 +165,5 @@ def test_token_budget_with_multimodal_ipc_reservation_starts(model_8l, monkeypat
         _explicit_path_tail(worker)
     limit = device_limits.measure(worker, _explicit_path_tail)
     assert limit.mm_reserved == 256 << 20
-    assert limit.kv_bytes == (7 << 30) - (256 << 20)
+    assert limit.kv_bytes == (7 << 30) - (256 << 20) - device_limits.GPU_HEADROOM_BYTES
     assert cfg.cache_config.kv_cache_memory_bytes == 1  # placeholder restored

@@ -10,8 +10,16 @@ of memory after startup:
 * CUDA graphs, captured in ``compile_or_warm_up_model``: vLLM's own estimate
   (``model_runner.profile_cudagraph_memory()``, the figure vLLM subtracts on
   its profiled path) on the platforms where vLLM profiles graphs.
-* The host tier copy engine's staging buffer (its per-transfer cap), unless
+* The host tier copy engine's staging buffers (its per-transfer cap, once per
+  copy stream: PyTorch's caching allocator keeps a pool per stream), unless
   the layout lets it copy blocks directly.
+* The pipeline receive buffers of every stage after the first
+  (``vllm_adapter.pp_receive_bytes``, vLLM's own shapes).
+
+On GPUs a headroom of 150 MiB stays free as well: the margin vLLM's own
+``--kv-cache-memory-bytes`` suggestion keeps, because profiling slightly
+underestimates (it also covers allocations nobody reports, such as NCCL's
+buffers for the first pipeline send).
 
 vLLM's multimodal IPC reservation (``reserve_mm_ipc_gpu_memory``) also comes
 off, as on vLLM's own paths. Each worker keeps its components; the engine core
@@ -46,11 +54,22 @@ class DeviceLimit:
     cuda_graphs: int = 0
     """vLLM's estimate of the CUDA graph memory captured after the KV cache."""
     staging: int = 0
-    """The host tier copy engine's staging buffer cap."""
+    """The host tier copy engine's staging buffers: its cap per copy stream."""
+    pp_buffers: int = 0
+    """The pipeline receive buffers of a stage after the first."""
+    headroom: int = 0
+    """Kept free on GPUs, as vLLM's own budget suggestion does."""
 
     @property
     def kv_bytes(self) -> int:
-        return max(0, self.free - self.mm_reserved - self.cuda_graphs - self.staging)
+        taken = (
+            self.mm_reserved
+            + self.cuda_graphs
+            + self.staging
+            + self.pp_buffers
+            + self.headroom
+        )
+        return max(0, self.free - taken)
 
     def describe(self) -> str:
         """``X MiB free after loading the model, less ... = Y MiB``."""
@@ -58,7 +77,9 @@ class DeviceLimit:
         less = [
             (self.mm_reserved, "vLLM's multimodal IPC reservation"),
             (self.cuda_graphs, "vLLM's CUDA graph estimate"),
-            (self.staging, "the host KV tier's staging buffer"),
+            (self.staging, "the host KV tier's staging buffers"),
+            (self.pp_buffers, "pipeline receive buffers"),
+            (self.headroom, "headroom"),
         ]
         parts = [f"less {mib(n)} for {what}" for n, what in less if n]
         if not parts:
@@ -95,30 +116,51 @@ def cuda_graph_estimate_bytes(worker: Any) -> int:
     return estimate
 
 
+#: Kept free on GPUs: vLLM's ``redundancy_buffer_memory`` (the margin of its
+#: ``--kv-cache-memory-bytes`` suggestion, ``Worker.compile_or_warm_up_model``).
+GPU_HEADROOM_BYTES = 150 << 20
+
+
+def headroom_bytes() -> int:
+    """:data:`GPU_HEADROOM_BYTES` where vLLM profiles device memory; 0 on CPU,
+    whose limit is the NUMA node's available memory, not a profiled figure."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        return GPU_HEADROOM_BYTES
+    return 0
+
+
 def staging_reserve_bytes(vllm_config: Any) -> int:
-    """The host tier's device staging buffer cap, when the tier is on and the
+    """The host tier's device staging buffers, when the tier is on and the
     layout makes its copy engine gather (a block-then-layer layout such as
-    BLHNC, which the tier opts in to, is copied directly, without staging)."""
+    BLHNC, which the tier opts in to, is copied directly, without staging):
+    the engine's cap once per copy stream, since each stream's buffer stays
+    in that stream's pool of PyTorch's caching allocator."""
     from vllm_kvmem.config import KVMemConfig
 
     if KVMemConfig.from_vllm_config(vllm_config).kv_host_cache_bytes is None:
         return 0
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
+    from vllm_kvmem.core.copy_engine import staging_reserve
 
     layout = vllm_config.cache_config.kv_cache_layout
     # B outermost, then L (BLHNC, BLNHC): every layer of a block is adjacent.
     block_then_layer = KVCacheLayout.BLHNC.value[:2]
     if layout is not None and KVCacheLayout[layout].value[:2] == block_then_layer:
         return 0
-    return DEFAULT_MAX_STAGING_BYTES
+    return staging_reserve()
 
 
 def measure(worker: Any, original: Any) -> DeviceLimit:
     """Run vLLM's ``determine_available_memory`` (profile run, vLLM's checks),
     then measure this worker's limit."""
-    from vllm_kvmem.vllm_adapter import free_device_bytes, mm_reservation_bytes
+    from vllm_kvmem.vllm_adapter import (
+        free_device_bytes,
+        mm_reservation_bytes,
+        pp_receive_bytes,
+    )
 
     config = worker.cache_config
     mm = mm_reservation_bytes(worker.vllm_config)
@@ -131,6 +173,8 @@ def measure(worker: Any, original: Any) -> DeviceLimit:
         mm_reserved=max(0, held_back),
         cuda_graphs=cuda_graph_estimate_bytes(worker),
         staging=staging_reserve_bytes(worker.vllm_config),
+        pp_buffers=pp_receive_bytes(worker),
+        headroom=headroom_bytes(),
     )
     setattr(worker, _WORKER_ATTR, limit)
     return limit

@@ -104,6 +104,11 @@ VLLM_HELPERS: tuple[VllmHelper, ...] = (
         "what vLLM keeps off the KV cache for frontend multimodal GPU work",
     ),
     VllmHelper(
+        "vllm.distributed.parallel_state:get_pp_group",
+        (),
+        "whether a worker is its pipeline's first stage (receives nothing)",
+    ),
+    VllmHelper(
         f"{_CPU}:get_allowed_cpu_list",
         (),
         "the CPU worker's NUMA node",
@@ -251,6 +256,35 @@ def free_device_bytes(worker: Any) -> int:
         return int(_vllm("get_memory_node_info")(node).available_memory)
     free, _total = torch.accelerator.get_memory_info(device)
     return int(free)
+
+
+def pp_receive_bytes(worker: Any) -> int:
+    """Bytes a step's pipeline receive allocates on this worker's device.
+
+    Every stage after the first receives the previous stage's intermediate
+    tensors each step, into tensors allocated then (``irecv_tensor_dict``),
+    after the KV cache took its memory; the profile run never receives.
+    Their shape is vLLM's own ``make_empty_intermediate_tensors`` for
+    ``max_num_tokens`` tokens: the buffer vLLM's model runner keeps from its
+    profile run where it has one, else that function's shapes on the meta
+    device (nothing allocated). 0 on the first stage and without pipelines.
+    """
+    import torch
+
+    config = worker.vllm_config
+    if config.parallel_config.pipeline_parallel_size == 1:
+        return 0
+    if _vllm("get_pp_group")().is_first_rank:
+        return 0
+    runner = worker.model_runner
+    buffers = getattr(runner, "intermediate_tensors", None)
+    if buffers is None:
+        buffers = runner.get_model().make_empty_intermediate_tensors(
+            batch_size=config.scheduler_config.max_num_batched_tokens,
+            dtype=config.model_config.dtype,
+            device=torch.device("meta"),
+        )
+    return sum(t.numel() * t.element_size() for t in buffers.tensors.values())
 
 
 # Larger than any reservation, so that vLLM's function returns instead of

@@ -17,8 +17,11 @@ HOW = (
     "memory after profiling, or the NUMA node's available memory on CPU) "
     "instead of the budget, less what the device allocates after the KV cache: "
     "vLLM's own CUDA graph estimate (`profile_cudagraph_memory`, where vLLM "
-    "profiles graphs), the host tier's staging buffer, and vLLM's multimodal "
-    "IPC reservation. The engine core patch turns limits into shares."
+    "profiles graphs), the host tier's staging buffers (one per copy stream), "
+    "the pipeline receive buffers of stages after the first, and vLLM's "
+    "multimodal IPC reservation; on GPUs it also keeps 150 MiB of headroom, "
+    "as vLLM's own budget suggestion does. The engine core patch turns limits "
+    "into shares."
 )
 UPSTREAM = "None: part of the seed 000 feature; upstream PR would add the limit."
 REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."

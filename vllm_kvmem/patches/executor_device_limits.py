@@ -27,7 +27,8 @@ PATCH = Patch(
     processes=("engine core",),
     platforms=ALL_PLATFORMS,
     why="A worker's KV limit is free memory less what is allocated after the KV "
-    "cache (CUDA graphs, the host tier's staging buffer); vLLM returns one "
+    "cache (CUDA graphs, the host tier's staging buffers, pipeline receive "
+    "buffers) and the GPU headroom; vLLM returns one "
     "integer per worker, so the engine core's refusal of a share could not say "
     "which component took the memory or what to change.",
     how="After vLLM's own call, only when the engine sizes the KV cache "
