@@ -224,8 +224,8 @@ def _connector(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
-def _host_counters(connector: Any) -> dict[str, int] | None:
-    index = getattr(connector, "index", None)
+def _host_counters(tier: Any) -> dict[str, int] | None:
+    index = getattr(tier, "index", None)
     return asdict(index.counters) if index is not None else None
 
 
@@ -247,6 +247,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     connector = _connector(llm)
+    tier = getattr(connector, "connector_scheduler", None)  # the host tier's
     builder = PromptBuilder(Path(spec["llm_kwargs"]["model"]), spec["doc_tokens"])
     prompts = [builder.prompt(op["doc"], op["question"]) for op in spec["schedule"]]
     params = SamplingParams(
@@ -258,7 +259,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     for i, (op, ids) in enumerate(zip(spec["schedule"], prompts)):
         if op["kind"] in ("new", "revisit") and phase_start is None:
             phase_start = time.perf_counter()
-        before = _host_counters(connector)
+        before = _host_counters(tier)
         first = final = None
         t0 = time.perf_counter()
         engine.add_request(f"req-{i}", TokensPrompt(prompt_token_ids=ids), params)
@@ -270,7 +271,7 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
                     final = out
         t_end = time.perf_counter()
         assert final is not None and first is not None
-        after = _host_counters(connector)
+        after = _host_counters(tier)
         rec = {
             **op,
             "prompt_tokens": len(ids),
@@ -296,10 +297,10 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "requests": records,
     }
-    if _host_counters(connector) is not None:
-        result["host_counters"] = _host_counters(connector)
-        result["host_bytes_in_use"] = connector.host_bytes_in_use()
-        result["host_num_slots"] = connector.num_slots
+    if _host_counters(tier) is not None:
+        result["host_counters"] = _host_counters(tier)
+        result["host_bytes_in_use"] = tier.host_bytes_in_use()
+        result["host_num_slots"] = tier.num_slots
     storage = spec.get("example_storage")
     if storage:
         files = [p for p in Path(storage).rglob("*") if p.is_file()]

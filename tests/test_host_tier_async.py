@@ -38,7 +38,7 @@ def _engine(model, **extra):
 
     llm = LLM(**host_tier_kwargs(model, True, enforce_eager=True, **extra))
     core = llm.llm_engine.engine_core.engine_core
-    return llm, core.scheduler, core.scheduler.connector
+    return llm, core.scheduler, core.scheduler.connector.connector_scheduler
 
 
 def _filled(model, monkeypatch, max_tokens, **extra):
@@ -199,7 +199,7 @@ def test_corrupted_host_block_is_recomputed_not_served(model_8l, in_process):
     llm, sched, tier = _engine(model_8l, kv_host_cache_verify=True)
     docs = host_tier_workload()["prompts"]
     first = llm.generate(docs, _params(8), use_tqdm=False)
-    worker = get_kv_transfer_group()
+    worker = get_kv_transfer_group().connector_worker
     assert worker._checksums  # every save was checksummed
     worker._engine.pool.tensor.add_(1)  # every host byte is now wrong
     with captured_log("vllm.kvmem.host_tier") as records:

@@ -79,7 +79,7 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched)
     llm.generate(docs, params, use_tqdm=False)  # fills the host tier
     core = llm.llm_engine.engine_core.engine_core
     sched = core.scheduler
-    tier = sched.connector
+    tier = sched.connector.connector_scheduler
     pool = sched.kv_cache_manager.block_pool
     in_use, free = tier.host_bytes_in_use(), pool.get_num_free_blocks()
     assert in_use > 0
@@ -119,7 +119,8 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched)
     # configs) is what the worker's copy engine allocated from the real tensors.
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    assert get_kv_transfer_group()._engine.pool.slot_bytes == tier.pipeline_slot_bytes
+    worker = get_kv_transfer_group().connector_worker
+    assert worker._engine.pool.slot_bytes == tier.pipeline_slot_bytes
     assert pool.get_num_free_blocks() == free
     # ... and the engine still serves the same prefix from the host tier.
     monkeypatch.setattr(sched, "schedule", schedule)
@@ -157,7 +158,7 @@ from vllm_kvmem.plugin import register
 register()
 from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
-from vllm_kvmem import host_tier
+from vllm_kvmem.host_tier import scheduler
 from vllm_kvmem.core.host_pool import live_pools
 
 kwargs = json.loads(sys.argv[1])
@@ -169,8 +170,8 @@ report["first_running"] = len(live_pools())
 kept = get_kv_transfer_group()  # the worker-side connector
 first.llm_engine.engine_core.shutdown()  # in-process shutdown in vLLM 0.32
 report["first_shut_down"] = len(live_pools())
-report["kept_connector_closed"] = kept._engine is None
-report["listener_cleared"] = host_tier._evict_listener is None
+report["kept_connector_closed"] = kept.connector_worker._engine is None
+report["listener_cleared"] = scheduler._evict_listener is None
 second = LLM(**kwargs)
 report["second_running"] = len(live_pools())
 out = second.generate(["a short prompt"], params, use_tqdm=False)

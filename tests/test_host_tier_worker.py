@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from vllm_kvmem.host_tier import (
-    COUNTERS,
     HostTierMetadata,
+    HostTierWorker,
     HostTierWorkerMeta,
     KVMemHostTierConnector,
     LoadChunk,
@@ -66,15 +66,24 @@ class FakeEngine:
 
 @pytest.fixture
 def worker():
+    """The worker side, on the fake GPU (no KV caches registered)."""
+    worker = HostTierWorker(None, enabled=True, num_slots=0, verify=False)
+    worker._engine = FakeEngine()
+    return worker
+
+
+@pytest.fixture
+def conn(worker):
+    """A worker-role connector around ``worker``: the steps go through the
+    connector's API, as vLLM calls it (metadata bound with vLLM's own
+    bind_connector_metadata)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     conn = KVMemHostTierConnector.__new__(KVMemHostTierConnector)
     conn._role = KVConnectorRole.WORKER
     conn._connector_metadata = None
-    conn.verify = False
-    conn.totals = dict.fromkeys(COUNTERS, 0)
-    conn._init_worker()
-    conn._engine = FakeEngine()
+    conn.connector_scheduler = None
+    conn.connector_worker = worker
     return conn
 
 
@@ -88,12 +97,10 @@ def _step(conn, meta):
     return loaded, wmeta.saved_through
 
 
-def test_gpu_copy_ordering(worker):
+def test_gpu_copy_ordering(worker, conn):
     jobs = worker._engine.jobs
     # Step 1: blocks 5 and 6 copied ahead into slots 0 and 1, in flight.
-    loaded, through = _step(
-        worker, HostTierMetadata(seq=1, ahead_saves=[(5, 0), (6, 1)])
-    )
+    loaded, through = _step(conn, HostTierMetadata(seq=1, ahead_saves=[(5, 0), (6, 1)]))
     (ahead,) = jobs
     assert ahead.compute_waits == 0  # the forward pass does not wait for it
     assert (loaded, through) == (None, 0)  # step 1's saves are not done yet
@@ -107,7 +114,7 @@ def test_gpu_copy_ordering(worker):
         evict_saves=[(7, 2)],
         loads=[LoadChunk("r1", [1], [9], True), LoadChunk("r2", [3], [7], False)],
     )
-    loaded, through = _step(worker, meta)
+    loaded, through = _step(conn, meta)
     evict, load1, load2 = jobs[1:]
     assert ahead.compute_waits == 1  # fence: forward waits before block 5 is reused
     assert evict.compute_waits == 1  # and for the evicted block's save
@@ -117,20 +124,20 @@ def test_gpu_copy_ordering(worker):
 
     # Step 3: nothing new; the copies finish one by one.
     load1.finished = True
-    loaded, through = _step(worker, HostTierMetadata(seq=3))
+    loaded, through = _step(conn, HostTierMetadata(seq=3))
     assert loaded == {"r1"}  # r1 had its last chunk; r2 did not
     assert through == 0  # step 1's ahead save is still in flight
     ahead.finished = evict.finished = load2.finished = True
     loaded, through = _step(
-        worker, HostTierMetadata(seq=4, loads=[LoadChunk("r2", [], [], True)])
+        conn, HostTierMetadata(seq=4, loads=[LoadChunk("r2", [], [], True)])
     )
     assert loaded == {"r2"} and through == 4
     # A fence on a block whose save is done waits for nothing.
-    _step(worker, HostTierMetadata(seq=5, fence=[6]))
+    _step(conn, HostTierMetadata(seq=5, fence=[6]))
     assert ahead.compute_waits == 1
 
 
-def test_sync_loads_hold_the_forward_and_later_saves_of_their_slots(worker):
+def test_sync_loads_hold_the_forward_and_later_saves_of_their_slots(worker, conn):
     jobs = worker._engine.jobs
     meta = HostTierMetadata(
         seq=1,
@@ -139,18 +146,18 @@ def test_sync_loads_hold_the_forward_and_later_saves_of_their_slots(worker):
             LoadChunk("later", [2], [6], True),
         ],
     )
-    loaded, _ = _step(worker, meta)
+    loaded, _ = _step(conn, meta)
     sync_load, async_load = jobs
     assert sync_load.compute_waits == 1  # the forward reads blocks 4 and 5
     assert async_load.compute_waits == 0
     assert loaded is None  # a sync load is never reported: vLLM did not ask
     # Next step slot 1 is reused for a save while the sync load still reads
     # it, and slot 7 (no load) for another: only the first waits.
-    _step(worker, HostTierMetadata(seq=2, ahead_saves=[(9, 1)]))
-    _step(worker, HostTierMetadata(seq=3, ahead_saves=[(8, 7)]))
+    _step(conn, HostTierMetadata(seq=2, ahead_saves=[(9, 1)]))
+    _step(conn, HostTierMetadata(seq=3, ahead_saves=[(8, 7)]))
     assert jobs[2].after == [sync_load] and jobs[3].after == []
     sync_load.finished = async_load.finished = True
-    loaded, _ = _step(worker, HostTierMetadata(seq=4))
+    loaded, _ = _step(conn, HostTierMetadata(seq=4))
     assert loaded == {"later"} and not worker._load_jobs
 
 
@@ -160,7 +167,7 @@ def test_worker_meta_takes_the_slowest_worker():
     assert b.aggregate(a).saved_through == 4
 
 
-def test_cpu_engine_jobs_are_done_on_return(worker):
+def test_cpu_engine_jobs_are_done_on_return(worker, conn):
     import torch
 
     from vllm_kvmem.core.copy_engine import BlockCopyEngine, HostBlockPool, KVRegion
@@ -170,7 +177,7 @@ def test_cpu_engine_jobs_are_done_on_return(worker):
     pool = HostBlockPool.for_regions([region], 4, pin_memory=False)
     worker._engine = BlockCopyEngine([region], pool)
     loaded, through = _step(
-        worker,
+        conn,
         HostTierMetadata(
             seq=3, ahead_saves=[(2, 0)], loads=[LoadChunk("r", [0], [9], True)]
         ),
@@ -178,6 +185,17 @@ def test_cpu_engine_jobs_are_done_on_return(worker):
     assert (loaded, through) == ({"r"}, 3)
     assert torch.equal(kv[9], kv[2])
     assert not worker._save_jobs and not worker._ahead_jobs
+
+
+def test_worker_connector_reports_stats_only_when_it_counted(worker, conn):
+    conn.enabled = True
+    assert conn.get_kv_connector_stats() is None  # nothing counted yet
+    worker._load_errors = {3, 4}
+    assert conn.get_block_ids_with_load_errors() == {3, 4}
+    stats = conn.get_kv_connector_stats()
+    assert stats.data["load_errors"] == 2 and "host_bytes_in_use" not in stats.data
+    assert worker.totals["load_errors"] == 2
+    assert conn.get_kv_connector_stats() is None  # a new interval
 
 
 def test_worker_stats_never_reset_the_scheduler_gauges():

@@ -1,0 +1,179 @@
+"""The connector vLLM loads (``kv_connector_module_path``): a thin shell that
+hands each call of vLLM's connector API to this process's side of the tier,
+:class:`HostTierScheduler` in the engine core, :class:`HostTierWorker` in a
+worker (the shape of upstream's ``OffloadingConnector``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from vllm_kvmem.config import KVMemConfig
+from vllm_kvmem.host_tier.scheduler import HostTierScheduler
+from vllm_kvmem.host_tier.startup import (
+    RUNTIME_KEY,
+    SIZE_FLAG,
+    default_step_bytes,
+    unsupported_reason,
+)
+from vllm_kvmem.host_tier.stats import HostTierPromMetrics, HostTierStats
+from vllm_kvmem.host_tier.worker import HostTierWorker
+from vllm_kvmem.layout import ContiguousKVLayoutMixin
+
+
+class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
+    """vllm-kvmem's host tier, configured by ``--kv-host-cache-bytes``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._cfg = KVMemConfig.from_vllm_config(vllm_config)
+        runtime = vllm_config.additional_config.get(RUNTIME_KEY, {})
+        self.num_slots = int(runtime.get("host_num_slots", 0))
+        self.pipeline_slot_bytes = int(runtime.get("host_slot_bytes", 0))
+        reason = unsupported_reason(kv_cache_config)
+        if not reason and self.num_slots < 1:
+            reason = (
+                f"{SIZE_FLAG} {self._cfg.kv_host_cache_bytes} holds no whole block "
+                f"({self.pipeline_slot_bytes} bytes per block)"
+            )
+        self.enabled = not reason
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.step_bytes = self._cfg.kv_host_cache_step_bytes or default_step_bytes()
+        self.verify = self._cfg.kv_host_cache_verify
+        self.connector_scheduler: HostTierScheduler | None = None
+        self.connector_worker: HostTierWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = HostTierScheduler(
+                self._cfg,
+                vllm_config,
+                reason=reason,
+                num_slots=self.num_slots,
+                pipeline_slot_bytes=self.pipeline_slot_bytes,
+                block_size=self.block_size,
+                step_bytes=self.step_bytes,
+            )
+        else:
+            self.connector_worker = HostTierWorker(
+                kv_cache_config,
+                enabled=self.enabled,
+                num_slots=self.num_slots,
+                verify=self.verify,
+            )
+
+    @property
+    def _scheduler(self) -> HostTierScheduler:
+        assert self.connector_scheduler is not None
+        return self.connector_scheduler
+
+    @property
+    def _worker(self) -> HostTierWorker:
+        assert self.connector_worker is not None
+        return self.connector_worker
+
+    # ---------------------------------------------------------- scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._scheduler.bind_gpu_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        return self._scheduler.request_finished(request, block_ids)
+
+    def reset_cache(self) -> bool | None:
+        if self.connector_scheduler is None:
+            return None
+        return self.connector_scheduler.reset_cache()
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        # The metadata vLLM bound for this step (bind_connector_metadata).
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        self._worker.start_load_kv(meta)
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.build_connector_worker_meta()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    # ------------------------------------------------------------ both sides
+
+    def shutdown(self) -> None:
+        """Release the host pool when the engine shuts down; idempotent.
+
+        vLLM calls this on the worker's connector from ``Worker.shutdown``
+        (via ``ensure_kv_transfer_shutdown``) and on the scheduler's from
+        ``Scheduler.shutdown``. Without it the pinned pool lives until the
+        garbage collector finds the connector, so a second engine started in
+        the same process would find the first one's memory still pinned.
+        """
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if not self.enabled:
+            return None
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.stats()
+        return self._worker.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        stats = HostTierStats()
+        stats.reset()
+        if data:
+            stats.data.update(data)
+        return stats
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ):
+        return HostTierPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

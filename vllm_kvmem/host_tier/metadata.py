@@ -1,0 +1,54 @@
+"""What the scheduler hands the workers each step, and what they answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadChunk:
+    """Part of one request's host hits, copied in one step."""
+
+    req_id: str
+    slots: list[int]
+    blocks: list[int]
+    last: bool  # the request's loads are all handed out after this one
+    # Loaded before this step's forward, which reads the blocks (the request
+    # is in this step's batch); else in the background, reported when done.
+    sync: bool = False
+
+
+@dataclass
+class HostTierMetadata(KVConnectorMetadata):
+    """One step's copies, in the order the workers issue them.
+
+    Before the forward pass (``handle_preemptions``): wait for the background
+    saves of ``fence`` blocks (the step may overwrite them), copy
+    ``evict_saves`` synchronously (blocks evicted this step with no host copy
+    yet), then start ``ahead_saves`` in the background. Then
+    (``start_load_kv``, before the forward when any load is ``sync``, after
+    its launch otherwise): start ``loads``.
+    """
+
+    seq: int = 0
+    fence: list[int] = field(default_factory=list)
+    evict_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
+    ahead_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
+    loads: list[LoadChunk] = field(default_factory=list)
+
+
+@dataclass
+class HostTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: every background save of the steps up to
+    ``saved_through`` has completed on this worker (min over workers)."""
+
+    saved_through: int = 0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> HostTierWorkerMeta:
+        theirs = getattr(other, "saved_through", self.saved_through)
+        return HostTierWorkerMeta(min(self.saved_through, theirs))

@@ -1,0 +1,419 @@
+"""The host tier's scheduler side: every decision. Which evicted block gets a
+host slot, which cached blocks are copied ahead of eviction, which prefix hits
+load (now or in the background) and in what chunks, and when a slot may be
+reused. The workers execute what :class:`HostTierMetadata` says, in step order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
+
+from vllm_kvmem.config import KVMemConfig
+from vllm_kvmem.core.host_index import HostBlockIndex
+from vllm_kvmem.core.units import MiB, cdiv, gib
+from vllm_kvmem.host_tier.metadata import (
+    HostTierMetadata,
+    HostTierWorkerMeta,
+    LoadChunk,
+)
+from vllm_kvmem.host_tier.stats import CountsStats, HostTierStats
+
+logger = init_logger("vllm.kvmem.host_tier")
+
+# The scheduler side of this process's connector, told about every eviction by
+# the block_pool_evict patch (one engine core, one scheduler per process).
+_evict_listener: Any = None
+
+
+def notify_evicted(block: Any) -> None:
+    """Called before vLLM drops a cached block's hash. Only a free block being
+    handed out again (``ref_cnt == 0``, from ``get_new_blocks``) is spilled; the
+    other callers evict blocks whose contents are not to be trusted."""
+    if (
+        _evict_listener is not None
+        and block.block_hash is not None
+        and block.ref_cnt == 0
+    ):
+        _evict_listener(block)
+
+
+@dataclass
+class _Load:
+    """A request's host hits, handed to the workers a chunk per step."""
+
+    req_id: str
+    pairs: list[tuple[int, int]]  # (slot, block) not yet handed out
+    slots: list[int]  # every slot of the load, pinned until it finishes
+    cancelled: bool = False
+    sent: dict[int, int] = field(default_factory=dict)  # block -> slot handed out
+
+
+class HostTierScheduler(CountsStats):
+    """The scheduler-side half of the connector (one per engine core)."""
+
+    def __init__(
+        self,
+        cfg: KVMemConfig,
+        vllm_config: Any,
+        *,
+        reason: str,
+        num_slots: int,
+        pipeline_slot_bytes: int,
+        block_size: int,
+        step_bytes: int,
+    ) -> None:
+        """``reason``: why the tier is off (empty when on)."""
+        global _evict_listener
+        super().__init__()
+        self._cfg = cfg
+        self.enabled = not reason
+        self.num_slots = num_slots
+        self.pipeline_slot_bytes = pipeline_slot_bytes
+        self.block_size = block_size
+        self.step_bytes = step_bytes
+        self._seq = 0
+        self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
+        self._evict_saves: list[tuple[int, int]] = []
+        # req -> (first block, slots, load synchronously), until allocated
+        self._matched: dict[str, tuple[int, list[int], bool]] = {}
+        self._sync_loads: list[LoadChunk] = []  # this step's
+        self._sync_blocks = 0
+        self._lookups: dict[str, tuple[int, int]] = {}
+        self._step_pins: list[int] = []  # slots of this step's saves
+        self._load_queue: dict[str, _Load] = {}  # in arrival order
+        self._inflight_loads: dict[str, _Load] = {}  # all handed out, not done
+        # Background saves not yet known complete on every worker: block id ->
+        # (block hash, step). The device block must not be overwritten first.
+        self._ahead: dict[int, tuple[Any, int]] = {}
+        self._saved_through = 0
+        self._scan_state: tuple[int, int] | None = None
+        sched = vllm_config.scheduler_config
+        step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 0)
+        slot_bytes = max(1, self.pipeline_slot_bytes)
+        self._budget_blocks = max(1, self.step_bytes // slot_bytes)
+        # Blocks near the head of the free queue worth copying ahead: what the
+        # next two steps could evict, and at least one step's budget.
+        self._scan_window = max(
+            self._budget_blocks, 2 * cdiv(step_tokens, self.block_size), 64
+        )
+        if not self.enabled:
+            logger.warning(
+                "Host KV tier off: %s; serving continues without it.", reason
+            )
+            _evict_listener = None
+            return
+        self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
+        _evict_listener = self._on_evicted
+        logger.info(
+            "Host KV tier: %d blocks of %d tokens (%s GiB per TP shard, %s "
+            "eviction); background copies up to %d MiB per step each way, "
+            "late spills %s.",
+            self.num_slots,
+            self.block_size,
+            gib(self.num_slots * self.pipeline_slot_bytes),
+            self._cfg.kv_host_cache_policy,
+            self.step_bytes // MiB,
+            "copied" if self._cfg.kv_host_cache_late_spill == "copy" else "dropped",
+        )
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._pool = gpu_block_pool
+
+    def _on_evicted(self, block: Any) -> None:
+        """vLLM hands a free cached block to another request (an eviction)."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        covered = block.block_hash_num_tokens  # prefix tokens up to this block
+        if covered is not None and covered % self.block_size:
+            return  # a partial block: never looked up by full-block hashes
+        key = get_block_hash(block.block_hash)
+        if key in self.index:
+            self.index.put(key)  # refresh its place in the host LRU
+            self._count(blocks_evicted_on_host=1)
+            return  # copied ahead (a fence waits for it if still in flight)
+        if self._cfg.kv_host_cache_late_spill == "drop":
+            self._count(blocks_evicted_dropped=1)
+            return
+        slot = self.index.put(key)
+        if slot is not None:
+            # Pinned until the workers get this step's saves: a later eviction
+            # in the same step must not be given the same slot.
+            self.index.pin([slot])
+            self._step_pins.append(slot)
+            self._evict_saves.append((block.block_id, slot))
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self.enabled:
+            return 0, False
+        start = num_computed_tokens // self.block_size
+        # Leave the last prompt token to compute, as vLLM needs one new token.
+        stop = min(
+            len(request.block_hashes), (request.num_tokens - 1) // self.block_size
+        )
+        if stop <= start:
+            return 0, False
+        keys = request.block_hashes[start:stop]
+        slots = self.index.match_prefix(keys)
+        hit, looked = len(slots) * self.block_size, len(keys) * self.block_size
+        # Counted once the request is allocated: a waiting request is looked up
+        # again every step.
+        self._lookups[request.request_id] = (looked, hit)
+        old = self._matched.pop(request.request_id, None)
+        if old:
+            self.index.unpin(old[1])
+        if not slots:
+            return 0, False
+        self.index.pin(slots)
+        # A hit that fits what is left of this step's load budget is loaded
+        # before this step's forward and the request runs in this very step:
+        # the other requests wait for at most one budget of copies either
+        # way, and the request saves the two steps of the asynchronous path.
+        sync = len(slots) <= self._sync_room()
+        self._matched[request.request_id] = (start, slots, sync)
+        # Otherwise asynchronous: the request waits for its own blocks in
+        # WAITING_FOR_REMOTE_KVS while every other request keeps running.
+        return hit, not sync
+
+    def _sync_room(self) -> int:
+        """Blocks of this step's load budget not yet promised: queued
+        asynchronous loads come first, so they are never starved."""
+        queued = sum(len(x.pairs) for x in self._load_queue.values() if not x.cancelled)
+        budget = self._budget_blocks
+        return budget - self._sync_blocks - min(queued, budget)
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        looked, hit = self._lookups.pop(request.request_id, (0, 0))
+        if looked:
+            self._count(
+                lookup_tokens=looked,
+                hit_tokens=min(hit, num_external_tokens),
+                miss_tokens=looked - min(hit, num_external_tokens),
+            )
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None:
+            return
+        start, slots, sync = matched
+        n = num_external_tokens // self.block_size
+        self.index.unpin(slots[n:])
+        if n == 0:
+            return
+        block_ids = blocks.get_block_ids()[0][start : start + n]
+        if sync:
+            # Pinned until the workers get this step's copies; a save into a
+            # slot reused later waits for the load on the workers.
+            self._sync_loads.append(
+                LoadChunk(request.request_id, slots[:n], block_ids, True, sync=True)
+            )
+            self._sync_blocks += n
+            self._step_pins += slots[:n]
+            return
+        self._load_queue[request.request_id] = _Load(
+            request.request_id, list(zip(slots[:n], block_ids)), slots[:n]
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self._seq += 1
+        meta = HostTierMetadata(seq=self._seq)
+        if not self.enabled:
+            return meta
+        meta.fence = self._fences()
+        meta.evict_saves, self._evict_saves = self._evict_saves, []
+        meta.ahead_saves = self._pick_ahead_saves()
+        meta.loads = self._sync_loads + self._next_load_chunks(
+            self._budget_blocks - self._sync_blocks
+        )
+        self._sync_loads, self._sync_blocks = [], 0
+        # The workers issue this step's saves before any later step's copies:
+        # the slots may be reused from the next step on.
+        self.index.unpin(self._step_pins)
+        self._step_pins = []
+        loaded = sum(len(c.blocks) for c in meta.loads)
+        saved = len(meta.evict_saves) + len(meta.ahead_saves)
+        self.index.counters.loaded_blocks += loaded
+        self._count(
+            blocks_spilled=saved,
+            blocks_loaded=loaded,
+            bytes_moved=(saved + loaded) * self.pipeline_slot_bytes,
+            bytes_saved_ahead=len(meta.ahead_saves) * self.pipeline_slot_bytes,
+            bytes_saved_at_eviction=len(meta.evict_saves) * self.pipeline_slot_bytes,
+        )
+        return meta
+
+    def _fences(self) -> list[int]:
+        """Blocks with a background save in flight that this step may
+        overwrite: no longer free, or no longer holding the hash saved."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        if not self._ahead or self._pool is None:
+            return []
+        fence = []
+        for block_id, (key, _) in list(self._ahead.items()):
+            block = self._pool.blocks[block_id]
+            if (
+                block.ref_cnt == 0
+                and block.block_hash is not None
+                and get_block_hash(block.block_hash) == key
+            ):
+                continue
+            fence.append(block_id)
+            del self._ahead[block_id]
+        return fence
+
+    def _pick_ahead_saves(self) -> list[tuple[int, int]]:
+        """Cached blocks next in line for eviction with no host copy yet,
+        copied in the background up to the step budget."""
+        from vllm.v1.core.kv_cache_utils import get_block_hash
+
+        queue = getattr(self._pool, "free_block_queue", None)
+        if queue is None:
+            return []
+        head = queue.fake_free_list_head.next_free_block
+        state = (queue.num_free_blocks, head.block_id if head else -1)
+        if state == self._scan_state:
+            return []  # same free queue as the last walk, which found it all saved
+        picked: list[tuple[int, int]] = []
+        node, scanned = head, 0
+        while (
+            node is not None
+            and node.block_id >= 0
+            and scanned < self._scan_window
+            and len(picked) < self._budget_blocks
+        ):
+            scanned += 1
+            block_hash = node.block_hash
+            if block_hash is not None and node.block_id not in self._ahead:
+                covered = node.block_hash_num_tokens
+                key = get_block_hash(block_hash)
+                if (covered is None or covered % self.block_size == 0) and (
+                    key not in self.index
+                ):
+                    slot = self.index.put(key)
+                    if slot is None:
+                        break  # every host slot is pinned
+                    self.index.pin([slot])
+                    self._step_pins.append(slot)
+                    picked.append((node.block_id, slot))
+                    self._ahead[node.block_id] = (key, self._seq)
+            node = node.next_free_block
+        self._scan_state = None if len(picked) == self._budget_blocks else state
+        return picked
+
+    def _next_load_chunks(self, budget: int) -> list[LoadChunk]:
+        """This step's share of the queued loads (up to ``budget`` blocks),
+        oldest request first."""
+        chunks: list[LoadChunk] = []
+        for req_id in list(self._load_queue):
+            load = self._load_queue[req_id]
+            if load.cancelled:
+                take: list[tuple[int, int]] = []
+                load.pairs = []
+            else:
+                if budget <= 0:
+                    break
+                take, load.pairs = load.pairs[:budget], load.pairs[budget:]
+                budget -= len(take)
+                load.sent.update((b, s) for s, b in take)
+            last = not load.pairs
+            chunks.append(
+                LoadChunk(req_id, [s for s, _ in take], [b for _, b in take], last)
+            )
+            if last:
+                del self._load_queue[req_id]
+                self._inflight_loads[req_id] = load
+        return chunks
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if not self.enabled:
+            return
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, HostTierWorkerMeta) and meta.saved_through > (
+            self._saved_through
+        ):
+            self._saved_through = meta.saved_through
+            done = self._saved_through
+            self._ahead = {b: v for b, v in self._ahead.items() if v[1] > done}
+        if bad := connector_output.invalid_block_ids:
+            self._drop_bad_copies(bad)
+        for req_id in connector_output.finished_recving or ():
+            load = self._inflight_loads.pop(req_id, None)
+            if load is not None:
+                self.index.unpin(load.slots)
+
+    def _drop_bad_copies(self, block_ids: set[int]) -> None:
+        """Blocks that failed to load: vLLM recomputes them, and their host
+        copies are forgotten, so a retry cannot load the same bad bytes."""
+        loads = list(self._inflight_loads.values()) + list(self._load_queue.values())
+        dropped = 0
+        for load in loads:
+            for block_id in block_ids.intersection(load.sent):
+                dropped += self.index.drop_slot(load.sent[block_id])
+        if dropped:
+            logger.warning(
+                "Host KV tier: dropped %d host blocks that failed to load; their "
+                "tokens are recomputed.",
+                dropped,
+            )
+
+    def request_finished(self, request: Any, block_ids: list[int]):
+        req_id = request.request_id
+        self._lookups.pop(req_id, None)
+        matched = self._matched.pop(req_id, None)
+        if matched is not None:
+            self.index.unpin(matched[1])
+        load = self._load_queue.get(req_id) if self.enabled else None
+        if load is not None:
+            # Aborted while its loads wait: the rest is not copied, and the
+            # workers still report it finished (vLLM frees its blocks then).
+            load.cancelled = True
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        """Drop every host block (vLLM calls this on a prefix-cache reset, e.g.
+        after a weight update): stale KV must never be served."""
+        if not self.enabled:
+            return None
+        self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
+        # Loads already promised to allocated blocks still run, so their slots
+        # stay pinned until they finish; queued saves are dropped.
+        self._evict_saves = []
+        self._step_pins = []
+        self._scan_state = None
+        for load in self._load_queue.values():
+            self.index.pin(load.slots)
+        for load in self._inflight_loads.values():
+            self.index.pin(load.slots)
+        for _, slots, _ in self._matched.values():
+            self.index.pin(slots)
+        for chunk in self._sync_loads:  # this step's: unpinned once sent
+            self.index.pin(chunk.slots)
+            self._step_pins += chunk.slots
+        logger.info("Host KV tier reset: all host blocks dropped.")
+        return True
+
+    def host_bytes_in_use(self) -> int:
+        return len(self.index) * self.pipeline_slot_bytes if self.enabled else 0
+
+    def load_queue_blocks(self) -> int:
+        queued = sum(len(x.pairs) for x in self._load_queue.values())
+        return queued + sum(len(x.slots) for x in self._inflight_loads.values())
+
+    def stats(self) -> HostTierStats:
+        """This interval's counters, plus the gauges: only the scheduler side
+        owns them."""
+        stats = self._take_stats()
+        stats.data["host_bytes_in_use"] = self.host_bytes_in_use()
+        stats.data["load_queue_blocks"] = self.load_queue_blocks()
+        return stats
+
+    def shutdown(self) -> None:
+        global _evict_listener
+        if _evict_listener == self._on_evicted:
+            _evict_listener = None  # stop spilling for a stopped scheduler

@@ -1,0 +1,264 @@
+"""The host tier's worker side: the copies. Each worker (every pipeline stage
+and tensor-parallel rank) holds its own slice of each host block and runs the
+copies the scheduler decided, saves before loads, in step order; on a GPU it
+orders them with CUDA events so that no copy races the forward pass or
+another copy of the same block or slot.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_kvmem.core.units import gib
+from vllm_kvmem.host_tier.metadata import (
+    HostTierMetadata,
+    HostTierWorkerMeta,
+    LoadChunk,
+)
+from vllm_kvmem.host_tier.stats import CountsStats, HostTierStats
+
+logger = init_logger("vllm.kvmem.host_tier")
+
+
+class HostTierWorker(CountsStats):
+    """The worker-side half of the connector (one per worker process)."""
+
+    def __init__(
+        self, kv_cache_config: Any, *, enabled: bool, num_slots: int, verify: bool
+    ) -> None:
+        super().__init__()
+        self._kv_cache_config = kv_cache_config
+        self.enabled = enabled
+        self.num_slots = num_slots
+        self.verify = verify
+        self._engine: Any = None
+        self._last_seq = 0
+        # In-flight jobs (GPU only; CPU copies are complete when issued).
+        # (job, blocks, slots) of saves still in flight
+        self._save_jobs: list[tuple[Any, list[int], list[int]]] = []
+        self._ahead_jobs: deque[tuple[int, Any]] = deque()  # (step, job)
+        self._loads: dict[str, list[Any]] = {}  # req -> jobs
+        # (job, slots) of loads still in flight: a save into a slot waits
+        # for the load reading it.
+        self._load_jobs: list[tuple[Any, list[int]]] = []
+        self._load_pairs: dict[str, list[tuple[int, int]]] = {}  # for verify
+        self._reportable: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._checksums: dict[int, int] = {}  # slot -> crc32 (verify mode)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        import torch
+
+        from vllm_kvmem.core.copy_engine import BlockCopyEngine, HostBlockPool, KVRegion
+
+        cfg = self._kv_cache_config
+        spec = cfg.kv_cache_groups[0].kv_cache_spec
+        regions = []
+        for tensor in cfg.kv_cache_tensors:
+            storage = kv_caches[tensor.layers[0]].untyped_storage()
+            base = torch.empty(
+                0, dtype=torch.uint8, device=kv_caches[tensor.layers[0]].device
+            )
+            base.set_(storage, 0, (storage.nbytes(),), (1,))
+            regions.append(
+                KVRegion.from_kv_cache_tensor(
+                    base, tensor, spec.page_size_bytes, cfg.num_blocks
+                )
+            )
+        if self._engine is not None:
+            # KV caches registered again (re-initialised): the old pool goes
+            # first, so the host never holds two pools for one rank.
+            self._engine.close()
+            self._engine = None
+        pool = HostBlockPool.for_regions(regions, self.num_slots)
+        self._engine = BlockCopyEngine(regions, pool, device=base.device)
+        logger.info(
+            "Host KV tier on this rank: %d slots x %d bytes = %s GiB of %s host "
+            "memory.",
+            self.num_slots,
+            pool.slot_bytes,
+            gib(pool.nbytes),
+            "pinned" if pool.pinned else "pageable (pre-faulting in the background)",
+        )
+
+    def shutdown(self) -> None:
+        """Release the host pool (see the connector's ``shutdown``); idempotent."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        nbytes, pinned = engine.pool.nbytes, engine.pool.pinned
+        engine.close()
+        logger.info(
+            "Host KV tier released on this rank: %s GiB of %s host memory.",
+            gib(nbytes),
+            "pinned" if pinned else "pageable",
+        )
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the step's forward pass: the saves it must not race."""
+        meta = kv_connector_metadata
+        if self._engine is None or not isinstance(meta, HostTierMetadata):
+            return
+        started = time.perf_counter()
+        self._last_seq = meta.seq
+        self._prune()
+        fenced = set(meta.fence)
+        for job, blocks, _ in self._save_jobs:
+            if fenced.intersection(blocks):
+                job.make_current_stream_wait()  # device-side; no host wait
+        if meta.evict_saves:
+            # These blocks belong to new requests from this step on: the
+            # forward pass must not overwrite them before they are copied.
+            job = self._save(meta.evict_saves)
+            job.make_current_stream_wait()
+        if meta.ahead_saves:
+            job = self._save(meta.ahead_saves)
+            if job.event is not None:
+                self._ahead_jobs.append((meta.seq, job))
+        self._count(copy_wait_seconds=time.perf_counter() - started)
+
+    def _save(self, pairs: list[tuple[int, int]]) -> Any:
+        blocks = [b for b, _ in pairs]
+        slots = [s for _, s in pairs]
+        taken = set(slots)
+        after = [j for j, js in self._load_jobs if taken.intersection(js)]
+        job = self._engine.save(blocks, slots, after)
+        if job.event is not None:
+            self._save_jobs.append((job, blocks, slots))
+        if self.verify:
+            job.wait()
+            for slot in slots:
+                self._checksums[slot] = _crc(self._engine.slot_image(slot))
+        return job
+
+    def start_load_kv(self, meta: Any) -> None:
+        """This step's loads (``meta``: the metadata vLLM bound to the
+        connector for this step, if any). vLLM calls this before the forward
+        pass when the step has synchronous loads (their requests are in the
+        batch: the forward waits for those copies only), after its launch
+        otherwise (requests waiting in WAITING_FOR_REMOTE_KVS: nothing waits)."""
+        if (
+            self._engine is None
+            or not isinstance(meta, HostTierMetadata)
+            or not meta.loads
+        ):
+            return
+        started = time.perf_counter()
+        for chunk in meta.loads:
+            job = self._load(chunk) if chunk.blocks else None
+            if chunk.sync:
+                if job is not None:
+                    job.make_current_stream_wait()  # device-side; no host wait
+                if self.verify:
+                    if job is not None:
+                        job.wait()
+                    self._verify(chunk.req_id, list(zip(chunk.slots, chunk.blocks)))
+                continue
+            jobs = self._loads.setdefault(chunk.req_id, [])
+            if job is not None:
+                jobs.append(job)
+            if self.verify:
+                pairs = self._load_pairs.setdefault(chunk.req_id, [])
+                pairs += zip(chunk.slots, chunk.blocks)
+            if chunk.last:
+                self._reportable.add(chunk.req_id)
+        self._count(copy_wait_seconds=time.perf_counter() - started)
+
+    def _load(self, chunk: LoadChunk) -> Any:
+        """Start one chunk's copies after the saves they depend on; a failure
+        marks its blocks for recompute (None)."""
+        after = self._saves_touching(chunk.blocks, chunk.slots)
+        try:
+            job = self._engine.load(chunk.slots, chunk.blocks, after)
+        except Exception:
+            logger.exception(
+                "Host KV tier: loading %d blocks for request %s failed; they will "
+                "be recomputed.",
+                len(chunk.blocks),
+                chunk.req_id,
+            )
+            self._load_errors.update(chunk.blocks)
+            return None
+        if job.event is not None:
+            self._load_jobs.append((job, chunk.slots))
+        return job
+
+    def _saves_touching(self, blocks: list[int], slots: list[int]) -> list[Any]:
+        """In-flight saves a load must follow: from a slot it reads, or of a
+        block it overwrites."""
+        if not self._save_jobs:
+            return []
+        b, s = set(blocks), set(slots)
+        return [
+            job
+            for job, jb, js in self._save_jobs
+            if b.intersection(jb) or s.intersection(js)
+        ]
+
+    def _prune(self) -> None:
+        self._save_jobs = [x for x in self._save_jobs if not x[0].done()]
+        self._load_jobs = [x for x in self._load_jobs if not x[0].done()]
+        while self._ahead_jobs and self._ahead_jobs[0][1].done():
+            self._ahead_jobs.popleft()
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        done = set()
+        for req_id in list(self._reportable):
+            jobs = self._loads.get(req_id, [])
+            if not all(job.done() for job in jobs):
+                continue
+            self._reportable.discard(req_id)
+            self._loads.pop(req_id, None)
+            pairs = self._load_pairs.pop(req_id, [])
+            if self.verify:
+                self._verify(req_id, pairs)
+            done.add(req_id)
+        return None, done or None
+
+    def _verify(self, req_id: str, pairs: list[tuple[int, int]]) -> None:
+        bad = [
+            block
+            for slot, block in pairs
+            if self._checksums.get(slot) != _crc(self._engine.block_image(block))
+        ]
+        if bad:
+            logger.error(
+                "Host KV tier: %d of %d blocks loaded for request %s fail their "
+                "checksum; they will be recomputed.",
+                len(bad),
+                len(pairs),
+                req_id,
+            )
+            self._load_errors.update(bad)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        self._count(load_errors=len(errors))
+        return errors
+
+    def build_connector_worker_meta(self) -> HostTierWorkerMeta | None:
+        if self._engine is None:
+            return None
+        self._prune()
+        pending = self._ahead_jobs[0][0] - 1 if self._ahead_jobs else self._last_seq
+        return HostTierWorkerMeta(saved_through=pending)
+
+    def stats(self) -> HostTierStats | None:
+        """This interval's counters; None when nothing was counted (the gauges
+        are the scheduler's)."""
+        stats = self._take_stats()
+        return None if stats.is_empty() else stats
+
+
+def _crc(image: Any) -> int:
+    """CRC-32 of a host tensor's bytes (integrity checks only)."""
+    return zlib.crc32(image.contiguous().numpy())
