@@ -314,3 +314,49 @@ def test_engine_close_releases_its_pool_and_refuses_copies():
     engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         engine.save([1], [0])
+
+
+@pytest.mark.parametrize("layout", [BLHNC, LBHNC])
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_failure_part_way_raises_copy_error_with_a_job(layout, direction, monkeypatch):
+    """A copy that fails while the job's copies are being issued raises
+    CopyError naming the direction, with a job marked failed (on CPU the
+    copies issued before it are complete, so there is nothing left to track)."""
+    from vllm_kvmem.core.copy_engine import CopyError
+
+    engine = make_engine(vllm_cache(layout, [64] * 2), num_slots=8)
+    calls = []
+    real_copy = engine._copy
+    real_index = torch.index_select
+
+    def failing_copy(dst, src):
+        calls.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access (stand-in)")
+
+    def failing_index(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access (stand-in)")
+
+    # Scattered slots force copies through the pool (no in-place gather).
+    blocks, slots = [3, 9, 4], [6, 0, 3]
+    monkeypatch.setattr(engine, "_copy", failing_copy)
+    monkeypatch.setattr(torch, "index_select", failing_index)
+    if direction == "load":
+        monkeypatch.setattr(engine, "_copy", real_copy)
+        monkeypatch.setattr(torch, "index_select", real_index)
+        engine.save(blocks, slots)
+        monkeypatch.setattr(engine, "_copy", failing_copy)
+        if engine.strategy == "gather":
+            monkeypatch.setattr(
+                torch.Tensor, "index_put_", lambda *a, **k: failing_index()
+            )
+    with pytest.raises(CopyError) as err:
+        getattr(engine, direction)(
+            *((blocks, slots) if direction == "save" else (slots, blocks))
+        )
+    assert err.value.direction == direction
+    assert f"{direction} of 3 blocks failed: RuntimeError: CUDA error" in str(err.value)
+    assert err.value.job is not None and err.value.job.failed
+    assert err.value.job.done()  # CPU: nothing in flight
+    monkeypatch.undo()
+    engine.save([1], [1])  # the engine keeps working afterwards
+    engine.close()

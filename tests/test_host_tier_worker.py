@@ -52,16 +52,33 @@ class FakeJob:
 
 
 class FakeEngine:
+    """Submits FakeJobs. ``fail[kind]``: the next submission of that kind
+    fails as BlockCopyEngine's does, with the real CopyError; ``partial``
+    says whether copies were queued before the failure (then the error
+    carries a job tracking them)."""
+
     def __init__(self) -> None:
         self.jobs: list[FakeJob] = []
+        self.fail: dict[str, bool] = {}
+        self.partial = True
+
+    def _submit(self, kind, blocks, slots, after):
+        from vllm_kvmem.core.copy_engine import CopyError
+
+        job = FakeJob(kind, list(blocks), list(slots), list(after))
+        if self.fail.pop(kind, False):
+            partial = job if self.partial else None
+            if partial is not None:
+                self.jobs.append(partial)
+            raise CopyError(kind, len(blocks), RuntimeError("CUDA error: x"), partial)
+        self.jobs.append(job)
+        return job
 
     def save(self, blocks, slots, after=()):
-        self.jobs.append(FakeJob("save", list(blocks), list(slots), list(after)))
-        return self.jobs[-1]
+        return self._submit("save", blocks, slots, after)
 
     def load(self, slots, blocks, after=()):
-        self.jobs.append(FakeJob("load", list(blocks), list(slots), list(after)))
-        return self.jobs[-1]
+        return self._submit("load", blocks, slots, after)
 
 
 @pytest.fixture
@@ -214,3 +231,60 @@ def test_worker_stats_never_reset_the_scheduler_gauges():
     later.reset()
     later.data["copy_wait_seconds"] = 0.1
     assert "host_bytes_in_use" not in later.reduce()
+
+
+def test_save_that_fails_part_way_is_contained_and_tracked(worker, conn):
+    jobs, engine = worker._engine.jobs, worker._engine
+    engine.fail["save"] = True
+    # Step 1: block 7 is evicted into slot 2 and its save fails part way.
+    _step(conn, HostTierMetadata(seq=1, evict_saves=[(7, 2)]))
+    (partial,) = jobs
+    # The copies it queued still read block 7: the forward waits for them,
+    # and the scheduler hears that slot 2 holds nothing from step 1.
+    assert partial.compute_waits == 1
+    assert worker.totals["save_errors"] == 1
+    wmeta = conn.build_connector_worker_meta()
+    assert wmeta.failed_saves == ()  # reported once, in step 1's meta
+    # Step 2: a load from slot 2 (scheduled before the report arrived) is
+    # refused and recomputed; a load of slot 4 into block 7 waits for the
+    # partial save still reading block 7.
+    meta = HostTierMetadata(
+        seq=2,
+        loads=[LoadChunk("r", [2, 4], [9, 7], True, sync=True)],
+    )
+    _step(conn, meta)
+    load = jobs[-1]
+    assert (load.slots, load.blocks, load.after) == ([4], [7], [partial])
+    assert conn.get_block_ids_with_load_errors() == {9}
+    # A later save into slot 2 that works makes it loadable again.
+    _step(conn, HostTierMetadata(seq=3, ahead_saves=[(5, 2)]))
+    _step(conn, HostTierMetadata(seq=4, loads=[LoadChunk("s", [2], [6], True)]))
+    assert jobs[-1].slots == [2] and conn.get_block_ids_with_load_errors() == set()
+
+
+def test_failed_saves_reach_the_scheduler_once(worker, conn):
+    worker._engine.fail["save"] = True
+    worker._engine.partial = False  # nothing was queued
+    conn.handle_preemptions(HostTierMetadata(seq=5, ahead_saves=[(1, 0), (2, 3)]))
+    first = conn.build_connector_worker_meta()
+    assert first.failed_saves == ((0, 5), (3, 5))
+    assert conn.build_connector_worker_meta().failed_saves == ()
+    # Over workers (tensor-parallel ranks, stages) the failures add up.
+    other = HostTierWorkerMeta(saved_through=9, failed_saves=((7, 5),))
+    merged = first.aggregate(other)
+    assert merged.failed_saves == ((0, 5), (3, 5), (7, 5)) and merged.saved_through == 5
+
+
+def test_load_that_fails_part_way_orders_the_recompute_after_it(worker, conn):
+    jobs, engine = worker._engine.jobs, worker._engine
+    engine.fail["load"] = True
+    meta = HostTierMetadata(seq=1, loads=[LoadChunk("r", [0, 1], [4, 5], True)])
+    loaded, _ = _step(conn, meta)
+    (partial,) = jobs
+    # Its late copies still write blocks 4 and 5: the compute stream (which
+    # recomputes them) waits for them, and so does a save into slot 1.
+    assert partial.compute_waits == 1
+    assert conn.get_block_ids_with_load_errors() == {4, 5}
+    assert loaded == {"r"}  # reported, so vLLM recomputes instead of waiting
+    _step(conn, HostTierMetadata(seq=2, ahead_saves=[(8, 1)]))
+    assert jobs[-1].after == [partial]

@@ -45,10 +45,16 @@ class HostTierMetadata(KVConnectorMetadata):
 @dataclass
 class HostTierWorkerMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler: every background save of the steps up to
-    ``saved_through`` has completed on this worker (min over workers)."""
+    ``saved_through`` has completed on this worker (min over workers), and
+    the saves that failed, as ``(slot, step)`` (union over workers: a block
+    is on the host only if every worker holds its slice)."""
 
     saved_through: int = 0
+    failed_saves: tuple[tuple[int, int], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> HostTierWorkerMeta:
         theirs = getattr(other, "saved_through", self.saved_through)
-        return HostTierWorkerMeta(min(self.saved_through, theirs))
+        failed = set(self.failed_saves) | set(getattr(other, "failed_saves", ()))
+        return HostTierWorkerMeta(
+            min(self.saved_through, theirs), tuple(sorted(failed))
+        )

@@ -90,6 +90,9 @@ class HostTierScheduler(CountsStats):
         # (block hash, step). The device block must not be overwritten first.
         self._ahead: dict[int, tuple[Any, int]] = {}
         self._saved_through = 0
+        # slot -> step whose save last wrote it: a failure reported for that
+        # step forgets the slot's block, a stale report (slot reused) nothing.
+        self._save_step: dict[int, int] = {}
         self._scan_state: tuple[int, int] | None = None
         sched = vllm_config.scheduler_config
         step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 0)
@@ -231,6 +234,8 @@ class HostTierScheduler(CountsStats):
             self._budget_blocks - self._sync_blocks
         )
         self._sync_loads, self._sync_blocks = [], 0
+        for _, slot in meta.evict_saves + meta.ahead_saves:
+            self._save_step[slot] = meta.seq
         # The workers issue this step's saves before any later step's copies:
         # the slots may be reused from the next step on.
         self.index.unpin(self._step_pins)
@@ -340,12 +345,23 @@ class HostTierScheduler(CountsStats):
             self._saved_through = meta.saved_through
             done = self._saved_through
             self._ahead = {b: v for b, v in self._ahead.items() if v[1] > done}
+        if isinstance(meta, HostTierWorkerMeta) and meta.failed_saves:
+            self._forget_failed_saves(meta.failed_saves)
         if bad := connector_output.invalid_block_ids:
             self._drop_bad_copies(bad)
         for req_id in connector_output.finished_recving or ():
             load = self._inflight_loads.pop(req_id, None)
             if load is not None:
                 self.index.unpin(load.slots)
+
+    def _forget_failed_saves(self, failed: tuple[tuple[int, int], ...]) -> None:
+        """Saves a worker could not complete: their blocks are not on the
+        host, so no later lookup may find them (the workers already refuse
+        to load from those slots until a save writes them again)."""
+        for slot, step in failed:
+            if self._save_step.get(slot) == step:
+                del self._save_step[slot]
+                self.index.drop_slot(slot)
 
     def _drop_bad_copies(self, block_ids: set[int]) -> None:
         """Blocks that failed to load: vLLM recomputes them, and their host
@@ -381,6 +397,7 @@ class HostTierScheduler(CountsStats):
         if not self.enabled:
             return None
         self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
+        self._save_step = {}
         # Loads already promised to allocated blocks still run, so their slots
         # stay pinned until they finish; queued saves are dropped.
         self._evict_saves = []

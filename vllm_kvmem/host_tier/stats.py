@@ -24,6 +24,7 @@ COUNTERS = (
     "blocks_evicted_on_host",
     "blocks_evicted_dropped",
     "load_errors",
+    "save_errors",
     "copy_wait_seconds",
 )
 #: Gauges: the value at the end of the interval.
@@ -81,8 +82,11 @@ METRIC_DOCS = {
     "blocks_evicted_dropped": "Device evictions of blocks not yet on the host that "
     "were dropped (--kv-host-cache-late-spill drop).",
     "load_errors": "Host tier blocks that failed to load or verify (recomputed).",
+    "save_errors": "Blocks whose copy to the host tier failed (not kept on the "
+    "host; served from the device or recomputed).",
     "copy_wait_seconds": "Seconds engine steps waited on host tier copies, summed "
-    "over workers.",
+    "over workers (on GPUs the compute stream's stalls on copy events, timed on "
+    "the device and sampled; on CPU the copies themselves).",
 }
 GAUGE_DOCS = {
     "host_bytes_in_use": "Host memory holding KV blocks in the host tier.",

@@ -15,6 +15,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvmem.core.units import gib
+from vllm_kvmem.core.wait_timer import StreamWaitTimer
 from vllm_kvmem.host_tier.metadata import (
     HostTierMetadata,
     HostTierWorkerMeta,
@@ -50,6 +51,13 @@ class HostTierWorker(CountsStats):
         self._reportable: set[str] = set()
         self._load_errors: set[int] = set()
         self._checksums: dict[int, int] = {}  # slot -> crc32 (verify mode)
+        # Failed saves: slots holding no good copy (never loaded from until a
+        # save writes them again), and (slot, step) not yet reported.
+        self._bad_slots: set[int] = set()
+        self._failed_saves: list[tuple[int, int]] = []
+        self._save_causes: set[str] = set()  # logged once each
+        # The compute stream's waits on copies (timed on CUDA devices).
+        self._waits = StreamWaitTimer(None)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self.enabled:
@@ -77,8 +85,11 @@ class HostTierWorker(CountsStats):
             # first, so the host never holds two pools for one rank.
             self._engine.close()
             self._engine = None
-        pool = HostBlockPool.for_regions(regions, self.num_slots)
+        pool = HostBlockPool.for_regions(
+            regions, self.num_slots, cudart=_pinning_runtime()
+        )
         self._engine = BlockCopyEngine(regions, pool, device=base.device)
+        self._waits = StreamWaitTimer(self._engine.device)
         logger.info(
             "Host KV tier on this rank: %d slots x %d bytes = %s GiB of %s host "
             "memory.",
@@ -110,26 +121,41 @@ class HostTierWorker(CountsStats):
         self._last_seq = meta.seq
         self._prune()
         fenced = set(meta.fence)
-        for job, blocks, _ in self._save_jobs:
-            if fenced.intersection(blocks):
-                job.make_current_stream_wait()  # device-side; no host wait
+        waits = [job for job, blocks, _ in self._save_jobs if fenced & set(blocks)]
         if meta.evict_saves:
             # These blocks belong to new requests from this step on: the
             # forward pass must not overwrite them before they are copied.
             job = self._save(meta.evict_saves)
-            job.make_current_stream_wait()
+            if job is not None:
+                waits.append(job)
+        self._waits.wait(waits)  # device-side; no host wait
         if meta.ahead_saves:
             job = self._save(meta.ahead_saves)
-            if job.event is not None:
+            if job is not None and job.event is not None:
                 self._ahead_jobs.append((meta.seq, job))
-        self._count(copy_wait_seconds=time.perf_counter() - started)
+        self._count_waits(started)
+
+    def _count_waits(self, started: float) -> None:
+        """CPU: the copies ran in this call, so its host time is the wait.
+        CUDA: the call only enqueues; the stalls come from the device."""
+        if self._waits.timed:
+            self._count(copy_wait_seconds=self._waits.collect())
+        else:
+            self._count(copy_wait_seconds=time.perf_counter() - started)
 
     def _save(self, pairs: list[tuple[int, int]]) -> Any:
+        """Start one batch of saves after the loads still reading their
+        slots. Returns the job to wait for before the blocks are reused
+        (None when there is nothing to wait for)."""
         blocks = [b for b, _ in pairs]
         slots = [s for _, s in pairs]
         taken = set(slots)
         after = [j for j, js in self._load_jobs if taken.intersection(js)]
-        job = self._engine.save(blocks, slots, after)
+        try:
+            job = self._engine.save(blocks, slots, after)
+        except Exception as exc:
+            return self._save_failed(exc, blocks, slots)
+        self._bad_slots.difference_update(slots)
         if job.event is not None:
             self._save_jobs.append((job, blocks, slots))
         if self.verify:
@@ -137,6 +163,33 @@ class HostTierWorker(CountsStats):
             for slot in slots:
                 self._checksums[slot] = _crc(self._engine.slot_image(slot))
         return job
+
+    def _save_failed(self, exc: Exception, blocks: list[int], slots: list[int]) -> Any:
+        """Contain a save that failed: the engine keeps serving, the blocks
+        are not on the host (the scheduler is told and forgets them; until
+        then no load reads these slots), and the copies it had queued are
+        still waited for before the blocks or slots are reused."""
+        cause = getattr(exc, "cause", exc)
+        key = f"{type(cause).__name__}: {cause}"
+        if key not in self._save_causes:
+            self._save_causes.add(key)
+            logger.error(
+                "Host KV tier: saving %d blocks to host memory failed (%s); they are "
+                "not kept on the host and serving continues. Further failures with "
+                "this cause are counted in vllm:kvmem_host_save_errors, not logged.",
+                len(blocks),
+                key,
+            )
+        self._count(save_errors=len(blocks))
+        self._bad_slots.update(slots)
+        self._failed_saves += [(slot, self._last_seq) for slot in slots]
+        for slot in slots:
+            self._checksums.pop(slot, None)
+        partial = getattr(exc, "job", None)
+        if partial is None or partial.event is None:
+            return None
+        self._save_jobs.append((partial, blocks, slots))
+        return partial
 
     def start_load_kv(self, meta: Any) -> None:
         """This step's loads (``meta``: the metadata vLLM bound to the
@@ -151,11 +204,12 @@ class HostTierWorker(CountsStats):
         ):
             return
         started = time.perf_counter()
+        waits = []
         for chunk in meta.loads:
             job = self._load(chunk) if chunk.blocks else None
             if chunk.sync:
                 if job is not None:
-                    job.make_current_stream_wait()  # device-side; no host wait
+                    waits.append(job)  # the forward reads these blocks
                 if self.verify:
                     if job is not None:
                         job.wait()
@@ -169,25 +223,40 @@ class HostTierWorker(CountsStats):
                 pairs += zip(chunk.slots, chunk.blocks)
             if chunk.last:
                 self._reportable.add(chunk.req_id)
-        self._count(copy_wait_seconds=time.perf_counter() - started)
+        self._waits.wait(waits)  # device-side; no host wait
+        self._count_waits(started)
 
     def _load(self, chunk: LoadChunk) -> Any:
         """Start one chunk's copies after the saves they depend on; a failure
-        marks its blocks for recompute (None)."""
-        after = self._saves_touching(chunk.blocks, chunk.slots)
+        marks its blocks for recompute (None), as does a slot whose save
+        failed."""
+        pairs = list(zip(chunk.slots, chunk.blocks))
+        if self._bad_slots:
+            self._load_errors.update(b for s, b in pairs if s in self._bad_slots)
+            pairs = [(s, b) for s, b in pairs if s not in self._bad_slots]
+            if not pairs:
+                return None
+        slots, blocks = [s for s, _ in pairs], [b for _, b in pairs]
+        after = self._saves_touching(blocks, slots)
         try:
-            job = self._engine.load(chunk.slots, chunk.blocks, after)
-        except Exception:
+            job = self._engine.load(slots, blocks, after)
+        except Exception as exc:
             logger.exception(
                 "Host KV tier: loading %d blocks for request %s failed; they will "
                 "be recomputed.",
-                len(chunk.blocks),
+                len(blocks),
                 chunk.req_id,
             )
-            self._load_errors.update(chunk.blocks)
+            self._load_errors.update(blocks)
+            partial = getattr(exc, "job", None)
+            if partial is not None and partial.event is not None:
+                # Copies queued before the failure still write these blocks:
+                # the recompute's kernels and later saves come after them.
+                self._load_jobs.append((partial, slots))
+                partial.make_current_stream_wait()
             return None
         if job.event is not None:
-            self._load_jobs.append((job, chunk.slots))
+            self._load_jobs.append((job, slots))
         return job
 
     def _saves_touching(self, blocks: list[int], slots: list[int]) -> list[Any]:
@@ -250,13 +319,32 @@ class HostTierWorker(CountsStats):
             return None
         self._prune()
         pending = self._ahead_jobs[0][0] - 1 if self._ahead_jobs else self._last_seq
-        return HostTierWorkerMeta(saved_through=pending)
+        failed, self._failed_saves = tuple(self._failed_saves), []
+        return HostTierWorkerMeta(saved_through=pending, failed_saves=failed)
 
     def stats(self) -> HostTierStats | None:
         """This interval's counters; None when nothing was counted (the gauges
         are the scheduler's)."""
         stats = self._take_stats()
         return None if stats.is_empty() else stats
+
+
+def _pinning_runtime() -> Any:
+    """vLLM's CUDA runtime wrapper, for pinning the host pool: unlike torch's
+    bindings it has ``cudaGetLastError``, which clears what a failed pin
+    leaves pending. None (the pool's own default) off CUDA or if it cannot
+    load."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return None
+    try:
+        from vllm.distributed.device_communicators.cuda_wrapper import CudaRTLibrary
+
+        return CudaRTLibrary()
+    except Exception:
+        logger.debug("vLLM's CudaRTLibrary is unavailable", exc_info=True)
+        return None
 
 
 def _crc(image: Any) -> int:
