@@ -95,19 +95,47 @@ def test_fallback_logs_one_line_naming_the_condition(
     assert len(said) == 1 and reason in said[0], messages(layout_log)
 
 
-def test_explicit_env_layout_wins(model_8l, layout_log, monkeypatch):
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBHNC")
+def _set_layout_env(monkeypatch, value):
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", value)
     import vllm.envs as envs
 
     if hasattr(envs, "cache_clear"):
         envs.cache_clear()
+
+
+def test_explicit_env_layout_wins(model_8l, layout_log, monkeypatch):
+    _set_layout_env(monkeypatch, "LBHNC")
     cfg = _config(model_8l)
     assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
     assert any("VLLM_KV_CACHE_LAYOUT=LBHNC" in m for m in messages(layout_log))
 
 
-def test_cpu_backend_declares_blhnc_after_lbhnc():
+def test_env_layout_is_read_before_the_connector_is_imported(model_8l, monkeypatch):
+    """vLLM's order: VLLM_KV_CACHE_LAYOUT first, and then the connector is not
+    consulted, so a connector class that cannot be imported fails where vLLM
+    fails (when the connector is built), not during layout resolution."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cfg = _config(model_8l)
+    asked = []
+    real = KVConnectorFactory.get_connector_class.__func__
+
+    def recording(cls, kv_transfer_config):
+        asked.append(kv_transfer_config.kv_connector)
+        return real(cls, kv_transfer_config)
+
+    monkeypatch.setattr(
+        KVConnectorFactory, "get_connector_class", classmethod(recording)
+    )
+    _set_layout_env(monkeypatch, "LBHNC")
+    assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
+    assert asked == []
+
+
+def test_cpu_backend_declaration_is_vllms():
+    """The plugin does not widen CPU_ATTN's own declaration: BLHNC is added by
+    a worker whose connector opts in (tests/test_layout_engine.py)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     names = [x.name for x in CPUAttentionBackend.supported_kv_cache_layouts()]
-    assert names == ["LBHNC", "BLHNC"]
+    assert names == ["LBHNC"]

@@ -1,9 +1,10 @@
 """The contiguous (block-outer) layout on a real CPU engine.
 
-CPU_ATTN, once it declares BLHNC, must produce token-identical greedy output
-to its default LBHNC layout: prompts spanning many blocks, prefix-cache hits
-(a second round of the same prompts) and chunked prefill (small batches), at
-two block sizes. And a connector that opts in gets BLHNC end to end.
+CPU_ATTN, once it declares BLHNC (the plugin adds it for a worker whose
+connector opts in), must produce token-identical greedy output to its default
+LBHNC layout: prompts spanning many blocks, prefix-cache hits (a second round
+of the same prompts) and chunked prefill (small batches), at two block sizes.
+And a connector that opts in gets BLHNC end to end.
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ def _prompts() -> list[str]:
 
 
 WORKLOAD = {"prompts": _prompts(), "max_tokens": 24, "rounds": 2}
+# A connector that opts in to the contiguous layout and moves no data.
+OPTED_IN = {
+    "kv_connector": "ContiguousLayoutExampleConnector",
+    "kv_connector_module_path": "tests.contiguous_example",
+    "kv_role": "kv_both",
+}
 
 
-def _run(model, block_size, **env):
+def _run(model, block_size, connector=None, **env):
     return run_engine(
         dict(
             model=str(model),
@@ -38,6 +45,7 @@ def _run(model, block_size, **env):
             block_size=block_size,
             max_num_batched_tokens=256,  # chunked prefill of every prompt
             enforce_eager=True,
+            kv_transfer_config=connector,
         ),
         WORKLOAD,
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
@@ -48,7 +56,7 @@ def _run(model, block_size, **env):
 @pytest.mark.parametrize("block_size", [32, 128])
 def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size):
     base = _run(model_8l, block_size)
-    contiguous = _run(model_8l, block_size, VLLM_KV_CACHE_LAYOUT="BLHNC")
+    contiguous = _run(model_8l, block_size, OPTED_IN)
     assert base.returncode == 0, base.log[-4000:]
     assert contiguous.returncode == 0, contiguous.log[-4000:]
     (b,), (c,) = base.ranks, contiguous.ranks
@@ -70,11 +78,7 @@ def test_opted_in_connector_gets_the_contiguous_layout(model_8l):
             kv_cache_memory_bytes=32 << 20,
             max_model_len=1024,
             enforce_eager=True,
-            kv_transfer_config={
-                "kv_connector": "ContiguousLayoutExampleConnector",
-                "kv_connector_module_path": "tests.contiguous_example",
-                "kv_role": "kv_both",
-            },
+            kv_transfer_config=OPTED_IN,
         ),
         {"prompts": _prompts()[:1], "max_tokens": 4},
     )

@@ -61,18 +61,22 @@ def choose_layout(
     """The block-outer layout to record, or None to leave vLLM's choice alone."""
     if vllm_config.cache_config.kv_cache_layout is not None:
         return None  # already resolved (or set explicitly): vLLM keeps it
+    if requested := os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+        # vLLM's order: the variable first, and then nothing else is asked;
+        # the connector class is not even imported.
+        kv_config = getattr(vllm_config, "kv_transfer_config", None)
+        if kv_config is not None and kv_config.kv_connector is not None:
+            logger.info(
+                "VLLM_KV_CACHE_LAYOUT=%s is set explicitly; the contiguous KV "
+                "layout opt-in of %s is not consulted.",
+                requested,
+                kv_config.kv_connector,
+            )
+        return None
     cls = opted_in(vllm_config)
     if cls is None:
         return None
     name = cls.__name__
-    if os.environ.get("VLLM_KV_CACHE_LAYOUT"):
-        logger.info(
-            "%s asks for the contiguous KV layout, but VLLM_KV_CACHE_LAYOUT=%s "
-            "is set explicitly; keeping it.",
-            name,
-            os.environ["VLLM_KV_CACHE_LAYOUT"],
-        )
-        return None
     layout, reason = _block_outer_layout(supported_layouts, tuple(kv_cache_specs or ()))
     if layout is None:
         logger.info(

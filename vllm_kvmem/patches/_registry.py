@@ -8,6 +8,7 @@ example ``vllm.v1.engine.core`` does ``from ... import get_kv_cache_configs``).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterable
@@ -50,10 +51,14 @@ class Patch:
     how: str
     upstream: str
     remove_when: str
+    idle: str = ""
+    """What it does when no kvmem flag is set (the plugin must be invisible)."""
     signature_is_prefix: bool = False
     """For huge generated signatures (dataclass ``__init__``): check a prefix."""
 
     def __post_init__(self) -> None:
+        if not self.idle:
+            raise ValueError(f"patch {self.name}: say what it does with no kvmem flag")
         unknown = set(self.platforms) - set(PLATFORM_CHECKS)
         if not self.platforms or unknown:
             raise ValueError(
@@ -117,6 +122,9 @@ def apply(patch: Patch) -> bool:
         return False
     check_signature(patch)
     replacement = patch.make_replacement(func)
+    # The original's name, docstring and signature (``__wrapped__``): tools
+    # that introspect vLLM (``inspect.signature(EngineArgs)``) see no change.
+    functools.update_wrapper(replacement, func)
     setattr(replacement, _MARK, patch.name)
     setattr(replacement, _ORIGINAL, func)
     if isinstance(raw, staticmethod):
@@ -176,6 +184,7 @@ def to_markdown(patches: Iterable[Patch]) -> str:
             f"- **Platforms:** {p.platforms_text}",
             f"- **Why:** {p.why}",
             f"- **How:** {p.how}",
+            f"- **With no kvmem flag:** {p.idle}",
             f"- **Upstream:** {p.upstream}",
             f"- **Remove when:** {p.remove_when}",
             "",

@@ -25,6 +25,10 @@ HOW = (
 )
 UPSTREAM = "None: part of the seed 000 feature; upstream PR would add the limit."
 REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."
+IDLE = (
+    "Returns vLLM's own figure from vLLM's own method (the limit is measured "
+    "only with `--enable-pp-prop-kv-cache` or `--kv-cache-tokens`)."
+)
 
 
 def make_replacement(original):

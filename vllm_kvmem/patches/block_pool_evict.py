@@ -36,4 +36,6 @@ PATCH = Patch(
     "check when the tier is off.",
     upstream="None; would be an eviction hook on BlockPool for KV connectors.",
     remove_when="vLLM gives connectors an eviction callback with block ids.",
+    idle="Calls vLLM's method; the eviction is passed to no one (no host tier "
+    "listens).",
 )

@@ -54,4 +54,7 @@ PATCH = Patch(
     upstream="None: would be part of an upstream PR adding the options to "
     "CacheConfig (seed PR for `--enable-pp-prop-kv-cache`, never merged).",
     remove_when="The options exist in vLLM's own CacheConfig.",
+    idle="Adds the vllm-kvmem flags to the parser (listed in `--help`, all "
+    "defaulting to unset); vLLM's own options, their help and defaults are "
+    "unchanged.",
 )

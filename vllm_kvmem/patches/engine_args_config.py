@@ -42,4 +42,6 @@ PATCH = Patch(
     "with `--kv-cache-tokens` sets the 1-byte placeholder budget.",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig with its own checks.",
+    idle="Calls vLLM's method; the flag checks find nothing to check, no "
+    "connector is added and no placeholder is set: the config is vLLM's.",
 )

@@ -37,4 +37,6 @@ PATCH = Patch(
     "error if `--additional-config` sets the same option to another value).",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig.",
+    idle="Calls vLLM's method and returns its result unchanged (no kvmem flag "
+    "given: nothing is merged into `additional_config`).",
 )

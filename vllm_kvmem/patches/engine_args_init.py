@@ -36,6 +36,9 @@ _COMMON = dict(
     "`additional_config['kvmem']`.",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig.",
+    idle="Calls vLLM's `__init__` with the same arguments; `additional_config` "
+    "is untouched, and `inspect.signature(EngineArgs)` is vLLM's own (the "
+    "wrapper carries it).",
 )
 
 PATCH = Patch(

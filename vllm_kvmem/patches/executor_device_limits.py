@@ -38,4 +38,5 @@ PATCH = Patch(
     "error messages. The integers vLLM uses are unchanged.",
     upstream="None: part of the seed 000 feature.",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
+    idle="Returns vLLM's own figures; asks the workers nothing.",
 )

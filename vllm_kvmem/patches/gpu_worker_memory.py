@@ -16,4 +16,5 @@ PATCH = Patch(
     how=w.HOW,
     upstream=w.UPSTREAM,
     remove_when=w.REMOVE_WHEN,
+    idle=w.IDLE,
 )

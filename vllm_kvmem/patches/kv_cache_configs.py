@@ -44,4 +44,6 @@ PATCH = Patch(
     "name imported into `vllm.v1.engine.core`.",
     upstream="vLLM PR 'Add --enable-pp-prop-kv-cache' (seed 000, never merged).",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
+    idle="Returns vLLM's own configs, unchanged (same blocks and tensors), and "
+    "logs the per-rank capacity table.",
 )

@@ -30,9 +30,11 @@ PATCH = Patch(
     "backends allow it; `get_required_kvcache_layout()` names one fixed layout "
     "and vLLM drops it with a warning when unsupported, with no condition on "
     "the model (seed 002).",
-    how="Before vLLM resolves the layout: if the configured connector class "
-    "returns True from `prefers_contiguous_kv_layout(vllm_config)`, no layout "
-    "is set yet and VLLM_KV_CACHE_LAYOUT is unset, checks for one uniform "
+    how="Before vLLM resolves the layout, in vLLM's order: when no layout is "
+    "set yet and VLLM_KV_CACHE_LAYOUT is unset (read first, so the connector "
+    "is not consulted when it is set), and the configured connector class "
+    "returns True from `prefers_contiguous_kv_layout(vllm_config)`, checks "
+    "for one uniform "
     "attention KV spec (no hybrid groups, no MLA) and a block-outer, "
     "block-compact layout every worker supports; records BLHNC (or the first "
     "such layout) on `cache_config.kv_cache_layout`, which vLLM then keeps, or "
@@ -40,4 +42,7 @@ PATCH = Patch(
     "name imported into `vllm.v1.engine.core`.",
     upstream="RFC #42082 (KV cache layouts); seed 002's proposal; no PR yet.",
     remove_when="vLLM resolves a conditional contiguous layout for connectors.",
+    idle="vLLM's own resolution: with VLLM_KV_CACHE_LAYOUT set nothing else is "
+    "consulted (vLLM's order), and a connector that does not opt in changes"
+    " nothing.",
 )

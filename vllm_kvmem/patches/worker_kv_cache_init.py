@@ -37,4 +37,5 @@ PATCH = Patch(
     "of all stages). Logs nothing unless the split is active.",
     upstream="None (log line of the seed 000 PR).",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
+    idle="Calls vLLM's method with the same configs; sizes and logs nothing.",
 )
