@@ -29,6 +29,10 @@ PLATFORM_CHECKS: dict[str, str] = {
     "xpu": "is_xpu",
 }
 ALL_PLATFORMS: tuple[PlatformName, ...] = ("cpu", "cuda", "rocm", "xpu")
+#: vLLM release series a record can name. A record names those whose sources
+#: were checked to hold its target with its signature (tests/test_vllm_versions.py
+#: reads each release's sources, installed or from its wheel).
+KNOWN_SERIES: tuple[str, ...] = ("0.32", "0.33")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class Patch:
     signature: tuple[str, ...]
     """Parameter names the original must have; a test fails if vLLM moves."""
     processes: tuple[str, ...]
+    versions: tuple[str, ...]
+    """vLLM release series (``0.32``) whose sources hold this target with this
+    signature; where a target moved, another record names the new one."""
     platforms: tuple[PlatformName, ...]
     """Where the target runs. A patch whose platforms exclude the current one
     is never resolved, so its module is never imported there: CPU-only vLLM
@@ -59,12 +66,21 @@ class Patch:
     def __post_init__(self) -> None:
         if not self.idle:
             raise ValueError(f"patch {self.name}: say what it does with no kvmem flag")
+        if not self.versions or set(self.versions) - set(KNOWN_SERIES):
+            raise ValueError(
+                f"patch {self.name}: versions must be a non-empty subset of "
+                f"{list(KNOWN_SERIES)}, got {self.versions}"
+            )
         unknown = set(self.platforms) - set(PLATFORM_CHECKS)
         if not self.platforms or unknown:
             raise ValueError(
                 f"patch {self.name}: platforms must be a non-empty subset of "
                 f"{sorted(PLATFORM_CHECKS)}, got {self.platforms}"
             )
+
+    def for_version(self, version: str) -> bool:
+        """Whether this record was checked against ``version``'s series."""
+        return any(version.startswith(f"{v}.") for v in self.versions)
 
     def applies_to(self, platform: Any) -> bool:
         """Whether this patch belongs on ``platform`` (a vLLM ``Platform``)."""
@@ -170,6 +186,11 @@ def to_markdown(patches: Iterable[Patch]) -> str:
         "`vllm_kvmem/patches/`; `tests/test_patches.py` fails if this file is stale.",
         "Every patch is applied idempotently in the processes listed, keeps the",
         "original, and is refused as a whole when the vLLM version is not 0.32.x.",
+        "**vLLM versions** lists the release series whose sources hold the target",
+        "with this signature (`tests/test_vllm_versions.py`: the installed 0.32,",
+        "and 0.33.0 read from its wheel, never run). vLLM 0.33 is still refused at",
+        "registration: it plans the KV cache through a `KVCacheConfigBuilder`, which",
+        "vllm-kvmem does not implement yet.",
         "A patch is applied only on the platforms it names",
         "(`vllm.platforms.current_platform`); on the others its target module is",
         "never imported.",
@@ -181,6 +202,7 @@ def to_markdown(patches: Iterable[Patch]) -> str:
             "",
             f"- **Target:** `{p.target}({', '.join(p.signature)})`",
             f"- **Processes:** {', '.join(p.processes)}",
+            f"- **vLLM versions:** {', '.join(v + '.x' for v in p.versions)}",
             f"- **Platforms:** {p.platforms_text}",
             f"- **Why:** {p.why}",
             f"- **How:** {p.how}",

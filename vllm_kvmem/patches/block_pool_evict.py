@@ -22,6 +22,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self", "block"),
     processes=("engine core",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="The host tier keeps exactly the blocks the device prefix cache evicts, "
     "at the moment a freed cached block is handed to another request; vLLM's "

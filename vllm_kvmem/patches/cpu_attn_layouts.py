@@ -32,6 +32,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self",),
     processes=("CPU workers",),
+    versions=("0.32", "0.33"),
     platforms=("cpu",),
     why="CPU_ATTN declares only LBHNC, yet its kernel reads each layer's "
     "[H, N, C] block interior through the view's block stride, so it works on "

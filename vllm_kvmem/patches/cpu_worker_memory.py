@@ -11,6 +11,7 @@ PATCH = Patch(
     make_replacement=w.make_replacement,
     signature=("self",),
     processes=("CPU workers",),
+    versions=("0.32", "0.33"),
     platforms=("cpu",),
     why=w.WHY + " CPUWorker overrides the GPU worker's method, so it needs its own.",
     how=w.HOW,

@@ -43,6 +43,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("parser",),
     processes=("API server / CLI",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="The vllm-kvmem options must be server flags (`--enable-pp-prop-kv-cache`) "
     "that `vllm serve` and `python -m vllm.entrypoints.openai.api_server` accept.",

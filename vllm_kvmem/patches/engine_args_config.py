@@ -29,6 +29,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self", "usage_context", "headless"),
     processes=("API server / LLM process",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="Bad vllm-kvmem options must fail at startup with a message naming the "
     "flag, before any worker starts; `--enable-pp-prop-kv-cache` without "

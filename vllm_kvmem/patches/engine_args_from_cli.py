@@ -29,6 +29,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("cls", "args"),
     processes=("API server / CLI",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="`from_cli_args` keeps only namespace attributes that are EngineArgs "
     "dataclass fields, so the vllm-kvmem flags would be dropped silently.",

@@ -26,6 +26,7 @@ def _make(original):
 _COMMON = dict(
     make_replacement=_make,
     processes=("the Python process that builds EngineArgs (LLM, AsyncLLM, server)",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="`LLM(**kwargs)` passes unknown keyword arguments to the EngineArgs "
     "dataclass, which rejects them, so `LLM(..., enable_pp_prop_kv_cache=True)` "

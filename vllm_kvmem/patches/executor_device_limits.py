@@ -25,6 +25,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self",),
     processes=("engine core",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="A worker's KV limit is free memory less what is allocated after the KV "
     "cache (CUDA graphs, the host tier's staging buffers, pipeline receive "

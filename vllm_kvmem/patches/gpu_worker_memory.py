@@ -11,6 +11,7 @@ PATCH = Patch(
     make_replacement=w.make_replacement,
     signature=("self",),
     processes=("GPU workers",),
+    versions=("0.32", "0.33"),
     platforms=("cuda", "rocm", "xpu"),
     why=w.WHY,
     how=w.HOW,

@@ -25,6 +25,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("vllm_config", "kv_cache_specs", "available_memory"),
     processes=("engine core",),
+    versions=("0.32",),
     platforms=ALL_PLATFORMS,
     why="vLLM hands every pipeline stage the same `--kv-cache-memory-bytes` and "
     "then cuts all stages to the smallest block count (PR #25164). With uneven "

@@ -24,6 +24,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("vllm_config", "supported_layouts", "kv_cache_specs"),
     processes=("engine core",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="A connector that moves blocks wants all layers of a block adjacent (one "
     "copy per block instead of one per layer), but only when the model and the "

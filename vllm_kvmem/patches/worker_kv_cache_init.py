@@ -24,6 +24,7 @@ PATCH = Patch(
     make_replacement=_make,
     signature=("self", "kv_cache_configs"),
     processes=("every worker",),
+    versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
     why="The host tier's worker-side connector, created while vLLM allocates "
     "the KV cache, needs the tier's slot count, which depends on every rank's "
