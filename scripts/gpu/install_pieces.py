@@ -1,0 +1,177 @@
+"""On the GPU machine: check the wheel pieces that have arrived, rebuild the
+wheels, install them into a target folder, and check what they require.
+
+Pieces arrive one folder per device call (``.gpu-wheels/<plan>/p001`` ...),
+each carried by its own call; folders carried earlier stay on the warm
+machine. So:
+
+``status``  which pieces are there (sizes; ``--hash`` for sha256 too) and
+            which are still missing: cheap, for the calls that carry pieces;
+``install`` every piece checked (sha256), the wheels rebuilt and checked
+            (sha256), then ``pip install --no-index --no-deps --target``;
+            prints what it installed;
+``check``   every requirement of the packages in the target folder against
+            what this interpreter sees with the target first on the path
+            (the machine's own packages for the rest): missing or wrong
+            versions, by name. The machine's versions were partly unknown
+            when the wheels were chosen; this is where that is settled.
+
+Python standard library (plus ``packaging``, which the machine has) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pieces  # noqa: E402
+
+
+def status(root: Path, hash_them: bool) -> int:
+    manifest = pieces.find_manifest(root)
+    states = pieces.check_pieces(root, manifest, hash_them=hash_them)
+    ok = [s for s in states if s.state == "ok"]
+    print(
+        f"plan {manifest.get('plan', '?')}: {len(ok)} of {len(states)} pieces "
+        f"present ({'sha256' if hash_them else 'size'} checked), "
+        f"{manifest['total_bytes'] / pieces.MIB:,.1f} MiB in "
+        f"{len(manifest['files'])} wheels"
+    )
+    for s in states:
+        if s.state != "ok":
+            print(f"  {s.folder}: {s.state}")
+    return 0 if len(ok) == len(states) else 3
+
+
+def install(root: Path, target: Path, python: str, keep_wheels: bool) -> int:
+    manifest = pieces.find_manifest(root)
+    need = manifest["total_bytes"]
+    work = Path(tempfile.mkdtemp(prefix="kvmem-wheels-"))
+    if pieces.free_bytes(work) < need * 3:
+        print(
+            f"warning: {pieces.free_bytes(work) / pieces.GIB:.1f} GiB free at "
+            f"{work}; the wheels ({need / pieces.GIB:.1f} GiB) and their "
+            "installation need about three times that"
+        )
+    wheels = pieces.join(root, work, manifest)
+    print(f"rebuilt {len(wheels)} wheels, sha256 checked, in {work}")
+    target.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--quiet",
+        "--target",
+        str(target),
+        *map(str, wheels),
+    ]
+    print("$ pip install --no-index --no-deps --target", target, f"({len(wheels)})")
+    rc = subprocess.run(cmd).returncode
+    installed = sorted(
+        "-".join(w.name.split("-")[:2]).replace("-", "==", 1) for w in wheels
+    )
+    (target / "kvmem-installed.json").write_text(
+        json.dumps({"plan": manifest.get("plan"), "wheels": installed}, indent=1)
+    )
+    print(f"installed into {target} (pip exit {rc}):")
+    for line in installed:
+        print("  " + line)
+    if not keep_wheels:
+        shutil.rmtree(work, ignore_errors=True)
+    return rc
+
+
+def check(target: Path) -> dict:
+    """Unmet requirements of the packages installed in ``target``."""
+    from importlib import metadata
+
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    path = [str(target)] + [p for p in sys.path if p != str(target)]
+    seen: dict[str, metadata.Distribution] = {}
+    for dist in metadata.distributions(path=path):
+        name = canonicalize_name(dist.metadata["Name"] or "")
+        seen.setdefault(name, dist)  # the first on the path wins, as on import
+    ours = {
+        canonicalize_name(d.metadata["Name"] or "")
+        for d in metadata.distributions(path=[str(target)])
+    }
+    env = default_environment()
+    unmet: list[dict] = []
+    for name in sorted(ours):
+        dist = seen[name]
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate(dict(env, extra="")):
+                continue
+            have = seen.get(canonicalize_name(req.name))
+            if have is None:
+                unmet.append({"package": name, "requires": text, "found": None})
+            elif not req.specifier.contains(have.version, prereleases=True):
+                unmet.append({"package": name, "requires": text, "found": have.version})
+    return {
+        "target": str(target),
+        "installed": len(ours),
+        "unmet": unmet,
+        "shadowed": sorted(
+            n
+            for n in ours
+            if any(
+                canonicalize_name(d.metadata["Name"] or "") == n
+                for d in metadata.distributions(
+                    path=[p for p in sys.path if p != str(target)]
+                )
+            )
+        ),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status")
+    s.add_argument("--root", type=Path, required=True)
+    s.add_argument("--hash", action="store_true", help="also check sha256")
+    i = sub.add_parser("install")
+    i.add_argument("--root", type=Path, required=True)
+    i.add_argument("--target", type=Path, required=True)
+    i.add_argument("--python", default=sys.executable)
+    i.add_argument("--keep-wheels", action="store_true")
+    c = sub.add_parser("check")
+    c.add_argument("--target", type=Path, required=True)
+    c.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.cmd == "status":
+        return status(args.root, args.hash)
+    if args.cmd == "install":
+        return install(args.root, args.target, args.python, args.keep_wheels)
+    result = check(args.target)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"{result['installed']} packages in {result['target']}; "
+        f"{len(result['shadowed'])} shadow the machine's own; "
+        f"{len(result['unmet'])} unmet requirements"
+    )
+    for u in result["unmet"]:
+        print(f"  {u['package']}: needs {u['requires']}, found {u['found']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
