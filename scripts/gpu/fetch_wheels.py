@@ -269,7 +269,7 @@ def _row(
         failing=failing,
         filename=node.filename,
         sha256=node.sha256,
-        tier=tier_of(node.name),
+        tier=tier_of(node.name),  # plan_diff sets the ABI-aware tier
     )
 
 
@@ -326,13 +326,88 @@ PLANS = {
     "full": "everything pip's resolution needs that the machine lacks, CUDA "
     "libraries and Triton included",
     "lean": "as full, but torch 2.13 runs on the machine's own CUDA "
-    "libraries and Triton 3.6 (no nvidia-*, cuda-toolkit, triton)",
+    "libraries and Triton 3.6, except those whose symbols torch 2.13 needs "
+    "and the machine's version lacks (abi_compare.json: NCCL)",
     "core": "as lean, without vLLM's large optional dependencies (OPTIONAL: "
-    "kernels for other models and GPUs, multimodal, structured output)",
+    "kernels for other models and GPUs, multimodal, JIT compilers)",
+    "torch211": "as core, without torch, torchvision and the CUDA libraries: "
+    "vLLM 0.32 on the machine's own torch 2.11 (against vLLM's pin; "
+    "abi_vllm.json: its attention, cache and MoE extensions resolve against "
+    "torch 2.11, _qutlass_C and deep_gemm do not)",
 }
 
+#: The torch packages vLLM pins; the machine has them for torch 2.11.
+TORCH_NAMES = {"torch", "torchvision", "torchaudio"}
 
-def tier_of(name: str) -> str:
+#: ``abi_check.py compare``'s verdict, committed: the CUDA wheels whose
+#: machine version lacks a symbol torch 2.13 imports must be carried.
+ABI_COMPARE = HERE / "abi_compare.json"
+
+
+def abi_notes(here: Path = HERE) -> list[str]:
+    """The committed symbol checks, in words, for the size report."""
+    notes = []
+    compare = here / "abi_compare.json"
+    if compare.is_file():
+        data = json.loads(compare.read_text())
+        for soname, row in data["sonames"].items():
+            if not row["ok"]:
+                notes.append(
+                    f"abi_compare.json: torch 2.13 imports {len(row['missing'])} "
+                    f"symbols from {soname} that {row['have']} (the machine's, "
+                    f"inferred) lacks ({', '.join(row['missing'][:4])}, ...): "
+                    f"{row['wanted']} must be carried."
+                )
+        good = [s for s, r in data["sonames"].items() if r["ok"]]
+        notes.append(
+            "abi_compare.json: every symbol torch 2.13 imports from "
+            + ", ".join(good)
+            + " is in the machine's (older) versions; sonames are the same. "
+            "stage1.sh repeats the check on the machine's real libraries "
+            "(abi_check.py machine, dlsym)."
+        )
+    vllm = here / "abi_vllm.json"
+    if vllm.is_file():
+        data = json.loads(vllm.read_text())
+        for label, per_ext in data["torch"].items():
+            if label == data["reference"]:
+                continue
+            bad = sorted(e for e, r in per_ext.items() if r["missing"])
+            notes.append(
+                f"abi_vllm.json: against {label}, every symbol vLLM 0.32's "
+                f"compiled extensions import from torch resolves except in "
+                f"{', '.join(bad)} (FP4 and DeepGEMM kernels, unused by a bf16 "
+                "model): the torch211 plan is possible at the symbol level; "
+                "vLLM's Python code against torch 2.11 is untested."
+            )
+    notes.append(
+        "Pieces are cut from one stream with the torch211 plan's wheels "
+        "first: after piece "
+        "N (see the pieces section) those wheels can be installed "
+        "(install_pieces.py install --partial) while the rest is still to come."
+    )
+    return notes
+
+
+def abi_must_carry(path: Path = ABI_COMPARE) -> set[str]:
+    """Canonical names of the CUDA wheels that fail the symbol check."""
+    if not path.is_file():
+        return set()
+    data = json.loads(path.read_text())
+    return {
+        canonicalize_name(row["wanted"].split("==")[0])
+        for row in data["sonames"].values()
+        if not row["ok"]
+    }
+
+
+def tier_of(name: str, abi_carry: frozenset[str] | set[str] = frozenset()) -> str:
+    """``torch``, ``cuda-libs-abi`` (a CUDA wheel torch 2.13 cannot do
+    without), ``cuda-libs``, ``optional`` or ``needed``."""
+    if name in TORCH_NAMES:
+        return "torch"
+    if name in abi_carry:
+        return "cuda-libs-abi"
     if name.startswith(CUDA_LIB_PREFIXES) and name not in OPTIONAL:
         return "cuda-libs"
     if name in CUDA_LIB_NAMES:
@@ -346,15 +421,40 @@ PLAN_SKIP_TIERS = {
     "full": set(),
     "lean": {"cuda-libs"},
     "core": {"cuda-libs", "optional"},
+    "torch211": {"cuda-libs", "cuda-libs-abi", "optional", "torch"},
 }
 
 
 def plan_diff(
-    tree: Mapping[str, Node], machine: Mapping[str, MachinePackage], plan: str
+    tree: Mapping[str, Node],
+    machine: Mapping[str, MachinePackage],
+    plan: str,
+    abi_carry: set[str] = frozenset(),
 ) -> list[Row]:
     """:func:`diff` for one plan: its left-out tiers are skipped."""
-    skip = {n for n in tree if tier_of(n) in PLAN_SKIP_TIERS[plan]}
-    return diff(tree, machine, skip)
+    skip = {n for n in tree if tier_of(n, abi_carry) in PLAN_SKIP_TIERS[plan]}
+    rows = diff(tree, machine, skip)
+    for r in rows:
+        r.tier = tier_of(r.name, abi_carry)
+    return rows
+
+
+def stream_order(rows_by_plan: Mapping[str, Sequence[Row]], plan: str) -> list[Row]:
+    """The chosen plan's wheels, those of the smaller plans first (each
+    block by name): pieces arrive in order, so a smaller plan can be
+    installed from the first pieces while the rest are still to come."""
+    order = ["torch211", "core", "lean", "full"]
+    order = order[: order.index(plan) + 1] if plan in order else [plan]
+    placed: set[str] = set()
+    out: list[Row] = []
+    for p in order:
+        for r in sorted(
+            (r for r in rows_by_plan[p] if r.carry), key=lambda r: r.filename
+        ):
+            if r.name not in placed:
+                placed.add(r.name)
+                out.append(r)
+    return out
 
 
 # -- device time ----------------------------------------------------------------
@@ -502,10 +602,10 @@ def download(python: str, rows: Sequence[Row], dest: Path) -> dict[str, Path]:
 
 def choose_plan(estimates: Mapping[str, dict]) -> str:
     """The most complete plan that fits after stage 1, else the smallest."""
-    for plan in ("full", "lean", "core"):
+    for plan in ("full", "lean", "core", "torch211"):
         if estimates[plan]["fits_with_stage1"]:
             return plan
-    return "core"
+    return "torch211"
 
 
 def _fmt_mib(n: int | None) -> str:
@@ -571,13 +671,26 @@ def render_markdown(report: Mapping) -> str:
         "must arrive within one hold (a machine given back comes back bare).",
         "",
     ]
+    if report.get("pieces"):
+        pc = report["pieces"]
+        lines += [
+            "## Pieces",
+            "",
+            f"Plan `{pc['plan']}`: {pc['count']} pieces of at most "
+            f"{report['piece_bytes'] // MIB} MiB ({pc['total_bytes'] / MIB:,.1f} "
+            f"MiB) in `{pc['folder']}/p001` ... (ignored by git; regenerate "
+            "with the command above). The torch211 plan's wheels are complete "
+            f"after piece {pc['torch211_complete_after_piece']}.",
+            "",
+        ]
     if report.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     lines += [
         "## Packages carried by plan `full` (largest first)",
         "",
-        "| package | version | machine has | tier | MiB | lean | core | why |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| package | version | machine has | tier | MiB | lean | core | torch211 "
+        "| why |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     sizes = report["sizes"]
     carried = sorted(
@@ -592,11 +705,13 @@ def render_markdown(report: Mapping) -> str:
         )
         if r["tier"] == "optional":
             why += f"; optional: {OPTIONAL.get(r['name'], '')}"
-        marks = ["x" if r["name"] in in_plan[p] else "" for p in ("lean", "core")]
+        marks = [
+            "x" if r["name"] in in_plan[p] else "" for p in ("lean", "core", "torch211")
+        ]
         lines.append(
             f"| {r['name']} | {r['version']} | {r['machine_version'] or '-'} | "
             f"{r['tier']} | {_fmt_mib(sizes.get(r['name']))} | {marks[0]} | "
-            f"{marks[1]} | {why} |"
+            f"{marks[1]} | {marks[2]} | {why} |"
         )
     unverified = [r for r in full if r["status"] == UNVERIFIED]
     lines += [
@@ -730,7 +845,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         report = resolve(python, TARGETS, args.out)
     tree = requirement_tree(report, TARGETS)
-    rows_by_plan = {plan: plan_diff(tree, machine, plan) for plan in PLANS}
+    abi_carry = abi_must_carry()
+    rows_by_plan = {plan: plan_diff(tree, machine, plan, abi_carry) for plan in PLANS}
     sizes: dict[str, int] = {}
     if not args.no_download:
         # Every plan carries a subset of what "full" carries.
@@ -753,22 +869,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         piece_bytes=args.piece_mib * MIB,
         model=CallModel(),
         meta=meta,
-        notes=args.note,
+        notes=abi_notes() + list(args.note),
     )
     plan = out["chosen"] if args.plan == "auto" else args.plan
     if not args.no_download:
-        chosen = [r for r in rows_by_plan[plan] if r.carry]
+        chosen = stream_order(rows_by_plan, plan)
         manifest = pieces.split(
-            sorted((args.out / "wheels" / r.filename for r in chosen), key=str),
+            [args.out / "wheels" / r.filename for r in chosen],
             args.out / plan,
             args.piece_mib * MIB,
-            meta={"plan": plan, "created": meta["created"]},
+            meta={
+                "plan": plan,
+                "created": meta["created"],
+                "plans": {
+                    p: sorted(r.filename for r in rows_by_plan[p] if r.carry)
+                    for p in PLANS
+                },
+            },
+        )
+        small = set(manifest["plans"]["torch211"])
+        last = max(
+            (
+                p["index"]
+                for f in manifest["files"]
+                if f["name"] in small
+                for p in manifest["pieces"]
+                if p["offset"] < f["offset"] + f["size"]
+                and p["offset"] + p["size"] > f["offset"]
+            ),
+            default=0,
         )
         out["pieces"] = {
             "plan": plan,
             "folder": _rel(args.out / plan),
             "count": len(manifest["pieces"]),
             "total_bytes": manifest["total_bytes"],
+            "torch211_complete_after_piece": last,
         }
     args.report_dir.mkdir(parents=True, exist_ok=True)
     (args.report_dir / "size_report.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -50,7 +50,9 @@ def status(root: Path, hash_them: bool) -> int:
     return 0 if len(ok) == len(states) else 3
 
 
-def install(root: Path, target: Path, python: str, keep_wheels: bool) -> int:
+def install(
+    root: Path, target: Path, python: str, keep_wheels: bool, partial: bool = False
+) -> int:
     manifest = pieces.find_manifest(root)
     need = manifest["total_bytes"]
     work = Path(tempfile.mkdtemp(prefix="kvmem-wheels-"))
@@ -60,8 +62,11 @@ def install(root: Path, target: Path, python: str, keep_wheels: bool) -> int:
             f"{work}; the wheels ({need / pieces.GIB:.1f} GiB) and their "
             "installation need about three times that"
         )
-    wheels = pieces.join(root, work, manifest)
-    print(f"rebuilt {len(wheels)} wheels, sha256 checked, in {work}")
+    wheels = pieces.join(root, work, manifest, partial=partial)
+    print(f"rebuilt {len(wheels)} of {len(manifest['files'])} wheels, sha256 checked")
+    for plan, names in manifest.get("plans", {}).items():
+        have = {w.name for w in wheels}
+        print(f"  plan {plan}: {len(set(names) & have)} of {len(names)} wheels here")
     target.mkdir(parents=True, exist_ok=True)
     cmd = [
         python,
@@ -152,6 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     i.add_argument("--target", type=Path, required=True)
     i.add_argument("--python", default=sys.executable)
     i.add_argument("--keep-wheels", action="store_true")
+    i.add_argument(
+        "--partial",
+        action="store_true",
+        help="install the wheels whose pieces have all arrived (the smaller "
+        "plans' wheels come first in the stream)",
+    )
     c = sub.add_parser("check")
     c.add_argument("--target", type=Path, required=True)
     c.add_argument("--out", type=Path)
@@ -159,7 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "status":
         return status(args.root, args.hash)
     if args.cmd == "install":
-        return install(args.root, args.target, args.python, args.keep_wheels)
+        return install(
+            args.root, args.target, args.python, args.keep_wheels, args.partial
+        )
     result = check(args.target)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

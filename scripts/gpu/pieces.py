@@ -192,38 +192,69 @@ def check_pieces(
     return out
 
 
-def join(root: Path, out_dir: Path, manifest: dict | None = None) -> list[Path]:
-    """Rebuild every file from the pieces under ``root`` into ``out_dir``.
+def _read_range(root: Path, manifest: dict, offset: int, size: int) -> Iterator[bytes]:
+    """The stream's bytes ``[offset, offset + size)``, read from the pieces."""
+    end = offset + size
+    for p in manifest["pieces"]:
+        lo, hi = p["offset"], p["offset"] + p["size"]
+        if hi <= offset or lo >= end:
+            continue
+        with open(root / p["folder"] / p["file"], "rb") as f:
+            f.seek(max(offset, lo) - lo)
+            left = min(end, hi) - max(offset, lo)
+            while left:
+                block = f.read(min(_CHUNK, left))
+                if not block:
+                    raise ValueError(f"{p['folder']}/{p['file']} is short")
+                left -= len(block)
+                yield block
+
+
+def complete_files(manifest: dict, ok: set[int]) -> list[dict]:
+    """The files whose every byte lies in the pieces numbered in ``ok``."""
+    out = []
+    for entry in manifest["files"]:
+        lo, hi = entry["offset"], entry["offset"] + entry["size"]
+        needed = {
+            p["index"]
+            for p in manifest["pieces"]
+            if p["offset"] < hi and p["offset"] + p["size"] > lo
+        }
+        if needed <= ok:
+            out.append(entry)
+    return out
+
+
+def join(
+    root: Path, out_dir: Path, manifest: dict | None = None, partial: bool = False
+) -> list[Path]:
+    """Rebuild the files from the pieces under ``root`` into ``out_dir``.
 
     Every piece is checked first (size and sha256), then every rebuilt file
-    (sha256); any mismatch raises and names the piece or file."""
+    (sha256); a mismatch raises and names the piece or file. Without
+    ``partial`` every piece must be there; with it, the files whose bytes
+    have all arrived are rebuilt (the smaller plans come first in the
+    stream, so they can be installed before the rest arrives)."""
     manifest = manifest or find_manifest(root)
-    bad = [s for s in check_pieces(root, manifest) if s.state != "ok"]
-    if bad:
+    states = check_pieces(root, manifest)
+    bad = [s for s in states if s.state not in ("ok", "missing")]
+    missing = [s for s in states if s.state == "missing"]
+    if bad or (missing and not partial):
         raise ValueError(
             "pieces not ready: "
-            + ", ".join(f"{s.folder} ({s.state})" for s in bad)
-            + f"; {len(manifest['pieces']) - len(bad)} of "
-            f"{len(manifest['pieces'])} are"
+            + ", ".join(f"{s.folder} ({s.state})" for s in bad + missing)
+            + f"; {len(states) - len(bad) - len(missing)} of {len(states)} are"
         )
+    ok = {s.index for s in states if s.state == "ok"}
     out_dir.mkdir(parents=True, exist_ok=True)
-    piece_paths = [root / p["folder"] / p["file"] for p in manifest["pieces"]]
-    stream = _stream(piece_paths)
-    pending = b""
     written: list[Path] = []
-    for entry in manifest["files"]:
+    for entry in complete_files(manifest, ok):
         target = out_dir / entry["name"]
         h = hashlib.sha256()
-        left = entry["size"]
         with open(target, "wb") as f:
-            while left:
-                if not pending:
-                    pending = next(stream)
-                take = pending[:left]
-                pending = pending[left:]
-                f.write(take)
-                h.update(take)
-                left -= len(take)
+            for block in _read_range(root, manifest, entry["offset"], entry["size"]):
+                f.write(block)
+                h.update(block)
         if h.hexdigest() != entry["sha256"]:
             raise ValueError(f"{entry['name']}: sha256 mismatch after reassembly")
         written.append(target)

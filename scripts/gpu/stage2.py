@@ -1,0 +1,524 @@
+"""Stage 2 of issue 17: vLLM 0.32 with the plugin on the GPU machine.
+
+UNVERIFIED: written without a GPU; no line of it has run on one. It runs
+after ``install_pieces.py install`` put vLLM and its wheels in a target
+folder (``stage2.sh`` sets ``PYTHONPATH``). Items (the issue's a-e), each
+engine in a subprocess of its own (this file with ``--child``), greedy, on a
+tiny random model that ``kvmem tiny-model`` writes:
+
+a. plugin installed, no kvmem flags, against plain vLLM (``VLLM_PLUGINS=``
+   loads none): KV blocks and greedy tokens equal; ``torch.cuda`` untouched
+   and no ``vllm.v1.worker.cpu*`` module in the LLM process and the worker;
+b. host tier on and off (small device KV cache, so the first prompt is
+   evicted): greedy tokens equal, cached tokens on the repeat, time to first
+   token of the repeat (host hit against recompute);
+c. the contiguous opt-in (``tests.contiguous_example``'s connector) on
+   FLASH_ATTN against the default layout: tokens equal, decode throughput;
+d. ``kv_cache_tokens`` far beyond the device (a clear refusal naming a
+   figure, not an out-of-memory crash), then that figure (starts), then the
+   same with CUDA graphs on; an explicit pipeline-proportional budget near
+   the device limit;
+e. FLASH_ATTN decode time per step with ``VLLM_KV_CACHE_LAYOUT`` LBNHC (its
+   default), BLNHC and BLHNC, and greedy identity across them.
+
+Each item's results are written to ``$OUT/stage2_results.json`` as soon as
+it ends (a call cut off at its limit keeps what finished); each engine's
+output goes into ``$OUT/stage2_logs.tar.gz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+REPORT = "KVMEM_STAGE2 "
+ITEMS = "abcde"
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
+
+
+def prompt(seed: int, words: int) -> str:
+    return " ".join(WORDS[(i * seed + 3) % len(WORDS)] for i in range(words))
+
+
+# -- the child: one engine ---------------------------------------------------------
+
+
+def probe(worker: Any = None) -> dict:
+    """Who owns torch.cuda in this process (vLLM's CPU worker replaces it)."""
+    import torch
+
+    names = {
+        "Stream": torch.cuda.Stream,
+        "Event": torch.cuda.Event,
+        "current_stream": torch.cuda.current_stream,
+        "stream": torch.cuda.stream,
+        "get_memory_info": getattr(torch.accelerator, "get_memory_info", None),
+    }
+    owners = {k: getattr(v, "__module__", None) for k, v in names.items()}
+    return {
+        "pid": os.getpid(),
+        "in_worker": worker is not None,
+        "owners": owners,
+        "untouched": all((m or "torch").startswith("torch") for m in owners.values()),
+        "cpu_worker_modules": sorted(
+            m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")
+        ),
+        "kvmem_loaded": "vllm_kvmem.plugin" in sys.modules
+        and bool(sys.modules["vllm_kvmem.plugin"]._state.get("patched")),
+    }
+
+
+def child(spec: dict) -> dict:
+    """Start ``LLM(**spec['llm'])``, run its phases, report."""
+    from vllm import LLM, SamplingParams
+    from vllm.plugins import load_general_plugins
+
+    from vllm_kvmem.demo_engine import collect
+
+    load_general_plugins()  # honours VLLM_PLUGINS, before LLM checks kwargs
+    t0 = time.perf_counter()
+    llm = LLM(**spec["llm"])
+    out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "phases": []}
+    for phase in spec.get("phases", []):
+        params = SamplingParams(max_tokens=phase["max_tokens"], temperature=0.0)
+        batches = (
+            [[p] for p in phase["prompts"]]
+            if phase.get("sequential")
+            else [phase["prompts"]]
+        )
+        results, times = [], []
+        for batch in batches:
+            start = time.perf_counter()
+            results += llm.generate(batch, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        out["phases"].append(
+            {
+                "name": phase["name"],
+                "token_ids": [list(r.outputs[0].token_ids) for r in results],
+                "cached_tokens": [r.num_cached_tokens or 0 for r in results],
+                "prompt_tokens": [len(r.prompt_token_ids or []) for r in results],
+                "seconds": times,
+                "output_tokens": sum(len(r.outputs[0].token_ids) for r in results),
+            }
+        )
+    out["ranks"] = collect(llm)
+    out["probes"] = [probe()] + list(llm.collective_rpc(probe))
+    return out
+
+
+# -- the parent: items -------------------------------------------------------------
+
+
+class Runner:
+    """Runs engines in subprocesses, keeps their logs, records results."""
+
+    def __init__(self, work: Path, model: Path, timeout: float) -> None:
+        # Kept under the repository's ignored .gpu-work/, not in $OUT: $OUT is
+        # emptied before every call and brings back 8 files at most, while
+        # the items of stage 2 may take more than one call.
+        self.work = work
+        self.model = model
+        self.timeout = timeout
+        self.logs = work / "stage2_logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.results_path = work / "stage2_results.json"
+        self.results: dict[str, Any] = (
+            json.loads(self.results_path.read_text())
+            if self.results_path.is_file()
+            else {}
+        )
+
+    def engine(self, name: str, spec: dict, **env: str) -> dict:
+        """One engine; its report, or its exit code and the end of its log."""
+        full_env = dict(os.environ)
+        full_env.update(VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONUNBUFFERED="1")
+        full_env.update(env)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", json.dumps(spec)],
+                cwd=ROOT,
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+            )
+            code, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            code = "timeout"
+            text = (
+                (exc.stdout or b"").decode(errors="replace")
+                if isinstance(exc.stdout, bytes)
+                else str(exc.stdout or "")
+            )
+        (self.logs / f"{name}.log").write_text(text)
+        report = None
+        for line in text.splitlines():
+            if line.startswith(REPORT):
+                report = json.loads(line[len(REPORT) :])
+        print(
+            f"  engine {name}: exit {code} in {time.perf_counter() - t0:.0f} s"
+            + ("" if report else " (no report)"),
+            flush=True,
+        )
+        errors = [
+            ln
+            for ln in text.splitlines()
+            if re.search(r"Error|error:|refus|OutOfMemory|out of memory", ln)
+        ][-8:]
+        return {"exit": code, "report": report, "errors": errors, "env": env}
+
+    def record(self, item: str, result: dict) -> None:
+        self.results[item] = result
+        self.results_path.write_text(json.dumps(self.results, indent=1) + "\n")
+
+
+def base_llm(model: Path, **extra: Any) -> dict:
+    kw = dict(
+        model=str(model),
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=8,
+        gpu_memory_utilization=0.3,
+        seed=0,
+    )
+    kw.update(extra)
+    return kw
+
+
+def _tokens(run: dict, phase: int = 0) -> Any:
+    rep = run.get("report")
+    return rep["phases"][phase]["token_ids"] if rep else None
+
+
+def item_a(r: Runner) -> dict:
+    """Plugin, no flags, against plain vLLM: KV blocks, tokens, torch.cuda."""
+    spec = {
+        "llm": base_llm(r.model),
+        "phases": [
+            {
+                "name": "greedy",
+                "prompts": [prompt(k, 60) for k in (1, 3, 7)],
+                "max_tokens": 32,
+            }
+        ],
+    }
+    plain = r.engine("a_plain", spec, VLLM_PLUGINS="")
+    plugin = r.engine("a_plugin", spec)
+    blocks = [
+        [x["num_blocks"] for x in run["report"]["ranks"]] if run["report"] else None
+        for run in (plain, plugin)
+    ]
+    probes = plugin["report"]["probes"] if plugin["report"] else []
+    return {
+        "plain": plain,
+        "plugin": plugin,
+        "kv_blocks_equal": blocks[0] is not None and blocks[0] == blocks[1],
+        "tokens_equal": _tokens(plain) is not None
+        and _tokens(plain) == _tokens(plugin),
+        "plugin_loaded_everywhere": bool(probes)
+        and all(p["kvmem_loaded"] for p in probes),
+        "torch_cuda_untouched_everywhere": bool(probes)
+        and all(p["untouched"] and not p["cpu_worker_modules"] for p in probes),
+    }
+
+
+def item_b(r: Runner) -> dict:
+    """Host tier on and off: tokens, cached tokens, TTFT of a host hit."""
+    long_prompt = prompt(1, 1500)
+    fillers = [prompt(k, 1500) for k in (3, 7, 9, 11)]
+    phases = [
+        {
+            "name": "first",
+            "prompts": [long_prompt],
+            "max_tokens": 16,
+            "sequential": True,
+        },
+        {"name": "evict", "prompts": fillers, "max_tokens": 16, "sequential": True},
+        {
+            "name": "repeat_ttft",
+            "prompts": [long_prompt],
+            "max_tokens": 1,
+            "sequential": True,
+        },
+        {
+            "name": "repeat",
+            "prompts": [long_prompt],
+            "max_tokens": 16,
+            "sequential": True,
+        },
+    ]
+    # A device KV cache of ~4 prompts' worth, so the fillers evict the first.
+    small = dict(kv_cache_memory_bytes=4 * 2048 * 8 * 2 * 2 * 64 * 2)
+    off = r.engine("b_tier_off", {"llm": base_llm(r.model, **small), "phases": phases})
+    on = r.engine(
+        "b_tier_on",
+        {
+            "llm": base_llm(r.model, kv_host_cache_bytes=1 << 30, **small),
+            "phases": phases,
+        },
+    )
+
+    def phase(run: dict, name: str) -> dict | None:
+        rep = run.get("report")
+        return (
+            next((p for p in rep["phases"] if p["name"] == name), None) if rep else None
+        )
+
+    return {
+        "off": off,
+        "on": on,
+        "tokens_equal": all(
+            phase(off, n) is not None
+            and phase(on, n) is not None
+            and phase(off, n)["token_ids"] == phase(on, n)["token_ids"]
+            for n in ("first", "evict", "repeat")
+        ),
+        "repeat_cached_tokens": {
+            k: (phase(v, "repeat_ttft") or {}).get("cached_tokens")
+            for k, v in (("off", off), ("on", on))
+        },
+        "repeat_ttft_s": {
+            k: (phase(v, "repeat_ttft") or {}).get("seconds")
+            for k, v in (("off", off), ("on", on))
+        },
+    }
+
+
+CONNECTOR = {
+    "kv_connector": "ContiguousLayoutExampleConnector",
+    "kv_connector_module_path": "tests.contiguous_example",
+    "kv_role": "kv_both",
+}
+
+
+def _decode_phase() -> dict:
+    return {
+        "name": "decode",
+        "prompts": [prompt(k, 40) for k in range(1, 9)],
+        "max_tokens": 256,
+    }
+
+
+def _throughput(run: dict) -> float | None:
+    rep = run.get("report")
+    if not rep:
+        return None
+    p = rep["phases"][0]
+    return p["output_tokens"] / sum(p["seconds"])
+
+
+def item_c(r: Runner) -> dict:
+    """Contiguous opt-in on FLASH_ATTN against the default: tokens, decode."""
+    env = {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}
+    default = r.engine(
+        "c_default", {"llm": base_llm(r.model), "phases": [_decode_phase()]}, **env
+    )
+    opted = r.engine(
+        "c_contiguous",
+        {
+            "llm": base_llm(r.model, kv_transfer_config=CONNECTOR),
+            "phases": [_decode_phase()],
+        },
+        **env,
+    )
+    layouts = [
+        [x.get("layout") for x in run["report"]["ranks"]] if run["report"] else None
+        for run in (default, opted)
+    ]
+    return {
+        "default": default,
+        "contiguous": opted,
+        "layouts": layouts,
+        "tokens_equal": _tokens(default) is not None
+        and _tokens(default) == _tokens(opted),
+        "decode_tokens_per_s": [_throughput(default), _throughput(opted)],
+    }
+
+
+def item_d(r: Runner) -> dict:
+    """Token budget beyond the device, at the suggestion, with graphs; an
+    explicit pipeline-proportional budget near the limit."""
+    phase = [{"name": "greedy", "prompts": [prompt(2, 50)], "max_tokens": 16}]
+    huge = r.engine(
+        "d_tokens_huge",
+        {"llm": base_llm(r.model, kv_cache_tokens=10**9), "phases": phase},
+    )
+    suggested = None
+    for line in huge["errors"]:
+        m = re.search(r"--kv-cache-tokens ([\d,]+) or less", line)
+        if m:
+            suggested = int(m.group(1).replace(",", ""))
+    result: dict[str, Any] = {"huge": huge, "suggested": suggested}
+    if suggested:
+        result["at_suggestion_eager"] = r.engine(
+            "d_tokens_suggested",
+            {
+                "llm": base_llm(
+                    r.model, kv_cache_tokens=suggested, gpu_memory_utilization=0.9
+                ),
+                "phases": phase,
+            },
+        )
+        result["at_suggestion_graphs"] = r.engine(
+            "d_tokens_suggested_graphs",
+            {
+                "llm": base_llm(
+                    r.model,
+                    kv_cache_tokens=suggested,
+                    gpu_memory_utilization=0.9,
+                    enforce_eager=False,
+                    compilation_config={
+                        "mode": 0,
+                        "cudagraph_mode": "FULL_DECODE_ONLY",
+                    },
+                ),
+                "phases": phase,
+            },
+        )
+    import torch  # only for the device's size
+
+    total = (
+        torch.cuda.get_device_properties(0).total_memory
+        if torch.cuda.is_available()
+        else 0
+    )
+    result["explicit_near_limit"] = r.engine(
+        "d_pp_prop_near_limit",
+        {
+            "llm": base_llm(
+                r.model,
+                kv_cache_memory_bytes=int(total * 0.97),
+                enable_pp_prop_kv_cache=True,
+                gpu_memory_utilization=0.95,
+            ),
+            "phases": phase,
+        },
+    )
+    return result
+
+
+def item_e(r: Runner) -> dict:
+    """FLASH_ATTN decode per layout (LBNHC, BLNHC, BLHNC), greedy identity."""
+    runs = {
+        lay: r.engine(
+            f"e_{lay}",
+            {"llm": base_llm(r.model), "phases": [_decode_phase()]},
+            VLLM_ATTENTION_BACKEND="FLASH_ATTN",
+            VLLM_KV_CACHE_LAYOUT=lay,
+        )
+        for lay in ("LBNHC", "BLNHC", "BLHNC")
+    }
+    ref = _tokens(runs["LBNHC"])
+    return {
+        "runs": runs,
+        "decode_tokens_per_s": {k: _throughput(v) for k, v in runs.items()},
+        "tokens_equal_to_LBNHC": {
+            k: ref is not None and _tokens(v) == ref for k, v in runs.items()
+        },
+        "layouts": {
+            k: [x.get("layout") for x in v["report"]["ranks"]] if v["report"] else None
+            for k, v in runs.items()
+        },
+    }
+
+
+ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
+    "a": item_a,
+    "b": item_b,
+    "c": item_c,
+    "d": item_d,
+    "e": item_e,
+}
+
+
+def make_model(out_dir: Path) -> Path:
+    model = out_dir / "tiny-model"
+    if not (model / "config.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "vllm_kvmem.cli", "tiny-model", str(model)],
+            cwd=ROOT,
+            check=True,
+        )
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--items", default=ITEMS, help="which of a-e (default all)")
+    p.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT", "out/stage2"))
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=ROOT / ".gpu-work",
+        help="model, logs and results across calls (ignored by git)",
+    )
+    p.add_argument("--engine-timeout", type=float, default=240.0)
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+    args = p.parse_args(argv)
+    if args.child:
+        print(REPORT + json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+    unknown = set(args.items) - set(ITEMS)
+    if unknown:
+        p.error(f"unknown items {sorted(unknown)}: choose from {ITEMS}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        plan = {
+            "items": {i: (ITEM_FUNCS[i].__doc__ or "").strip() for i in args.items},
+            "item_descriptions": [
+                ln for ln in __doc__.splitlines() if ln[:2] in {f"{i}." for i in ITEMS}
+            ],
+            "out": str(args.out),
+            "work": str(args.work),
+            "engine_timeout_s": args.engine_timeout,
+        }
+        (args.out / "stage2_plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+        print("stage 2 dry run: items", args.items, "->", args.out / "stage2_plan.json")
+        return 0
+    model = make_model(args.work)
+    runner = Runner(args.work, model, args.engine_timeout)
+    for item in args.items:
+        print(f"=== item {item}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            result = ITEM_FUNCS[item](runner)
+        except Exception as exc:  # record and go on to the next item
+            result = {"crashed": f"{type(exc).__name__}: {exc}"}
+        result["wall_s"] = time.perf_counter() - t0
+        runner.record(item, result)
+        shutil.copy(runner.results_path, args.out / "stage2_results.json")
+        summary = {
+            k: v
+            for k, v in result.items()
+            if not isinstance(v, dict)
+            or k
+            in (
+                "repeat_ttft_s",
+                "repeat_cached_tokens",
+                "decode_tokens_per_s",
+                "tokens_equal_to_LBNHC",
+            )
+        }
+        print(json.dumps(summary, default=str)[:2000], flush=True)
+    with tarfile.open(args.out / "stage2_logs.tar.gz", "w:gz") as tar:  # one file
+        tar.add(runner.logs, arcname="stage2_logs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

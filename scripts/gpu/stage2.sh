@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Stage 2 of issue 17 on the GPU machine: vLLM 0.32 with the plugin.
+# UNVERIFIED: written without a GPU; nothing here has run on one.
+#
+# Runs after every piece has arrived (scripts/gpu/README.md): installs the
+# wheels into .gpu-site (once; kept while the machine stays warm), makes the
+# plugin's entry point visible to vLLM, checks requirements, probes the
+# import, then runs items a-e of the issue (scripts/gpu/stage2.py). Files in
+# $OUT (8 at most):
+#
+#   stage2.log            all output
+#   install_check.json    install_pieces.py check: unmet requirements
+#   stage2_probe.txt      versions, CUDA libraries actually loaded
+#   stage2_results.json   items a-e (accumulates over calls, see --items)
+#   stage2_logs.tar.gz    each engine's output
+#
+# Usage (repository root):
+#   bash scripts/gpu/stage2.sh [--plan core|torch211] [--items abcde]
+#   bash scripts/gpu/stage2.sh --dry-run     # anywhere: plan and checks only
+set -u
+cd "$(dirname "$0")/../.."
+
+DRY=0 PLAN=core ITEMS=abcde PARTIAL=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --plan) PLAN=$2; shift ;;
+        --items) ITEMS=$2; shift ;;
+        *) echo "unknown argument $1"; exit 2 ;;
+    esac
+    shift
+done
+# torch211: vLLM on the machine's own torch 2.11; its wheels come first in
+# the stream, so they install from the pieces that have arrived.
+[ "$PLAN" = torch211 ] && PARTIAL=--partial
+if [ -z "${OUT:-}" ]; then
+    OUT=$(mktemp -d)
+    echo "OUT was unset: writing to $OUT"
+fi
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if [ "$DRY" = 1 ] && [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then
+    PY=.venv/bin/python
+fi
+SITE=$PWD/.gpu-site
+PIECES=.gpu-wheels/core
+exec > >(tee -a "$OUT/stage2.log") 2>&1
+echo "stage 2 $( [ "$DRY" = 1 ] && echo DRY RUN ) plan $PLAN items $ITEMS at $(date -u +%FT%TZ)"
+
+if [ "$DRY" = 1 ]; then
+    "$PY" scripts/gpu/install_pieces.py --help >/dev/null && echo "install_pieces.py: ok"
+    "$PY" scripts/gpu/stage2.py --dry-run --items "$ITEMS" --out "$OUT" || exit 1
+    echo "would run: install_pieces.py install --root $PIECES --target $SITE $PARTIAL"
+    echo "would run: install_pieces.py check --target $SITE"
+    echo "would run: stage2.py --items $ITEMS --out \$OUT (PYTHONPATH=$SITE:$PWD)"
+    exit 0
+fi
+
+if [ ! -f "$SITE/kvmem-installed.json" ]; then
+    "$PY" scripts/gpu/install_pieces.py install --root "$PIECES" --target "$SITE" $PARTIAL \
+        || { echo "install failed"; exit 1; }
+fi
+if [ "$PLAN" = torch211 ]; then
+    # vLLM's torch pin is not met on purpose: keep the machine's torch 2.11.
+    rm -rf "$SITE"/torch "$SITE"/torch-*.dist-info "$SITE"/torchvision* "$SITE"/nvidia*
+fi
+
+# The plugin's entry point, as an editable install would declare it; the code
+# itself comes from this checkout (on PYTHONPATH).
+DIST=$SITE/vllm_kvmem-0.1.0.dist-info
+mkdir -p "$DIST"
+printf 'Metadata-Version: 2.1\nName: vllm-kvmem\nVersion: 0.1.0\n' >"$DIST/METADATA"
+printf '[vllm.general_plugins]\nkvmem = vllm_kvmem.plugin:register\n\n[console_scripts]\nkvmem = vllm_kvmem.cli:main\n' \
+    >"$DIST/entry_points.txt"
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+
+"$PY" scripts/gpu/install_pieces.py check --target "$SITE" --out "$OUT/install_check.json"
+
+"$PY" - >"$OUT/stage2_probe.txt" 2>&1 <<'EOF'
+import importlib.metadata as md
+import torch
+print("torch", torch.__version__, torch.__file__, "cuda", torch.version.cuda)
+print("cuda available", torch.cuda.is_available())
+torch.zeros(1, device="cuda")  # loads the CUDA libraries
+import vllm
+print("vllm", vllm.__version__, vllm.__file__)
+print("plugins", [e.value for e in md.entry_points(group="vllm.general_plugins")])
+for name in ("triton", "transformers", "numpy", "flash_attn", "xgrammar"):
+    try:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"), getattr(mod, "__file__", "?"))
+    except Exception as exc:
+        print(name, "not importable:", exc)
+import vllm._custom_ops  # noqa: F401  (the compiled extensions load)
+from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+print("vllm extensions: imported")
+libs = sorted({line.split()[-1] for line in open("/proc/self/maps")
+               if any(k in line for k in ("libcublas", "libcudnn.so", "libnccl",
+                                          "libcudart", "libcusparseLt", "libnvrtc"))})
+print("loaded CUDA libraries:", *libs, sep="\n  ")
+EOF
+cat "$OUT/stage2_probe.txt"
+
+"$PY" scripts/gpu/stage2.py --items "$ITEMS" --out "$OUT"
+RC=$?
+ls -la "$OUT"
+exit $RC
