@@ -143,6 +143,8 @@ class Runner:
         """One engine; its report, or its exit code and the end of its log."""
         full_env = dict(os.environ)
         full_env.update(VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONUNBUFFERED="1")
+        # Only read by vLLM's CPU worker (a CPU rehearsal of this script).
+        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         full_env.update(env)
         t0 = time.perf_counter()
         try:
@@ -204,15 +206,12 @@ def _tokens(run: dict, phase: int = 0) -> Any:
 
 def item_a(r: Runner) -> dict:
     """Plugin, no flags, against plain vLLM: KV blocks, tokens, torch.cuda."""
+    from vllm_kvmem.demo import documents
+
+    # float32: a random model's logits are near ties that bf16 can flip.
     spec = {
-        "llm": base_llm(r.model),
-        "phases": [
-            {
-                "name": "greedy",
-                "prompts": [prompt(k, 60) for k in (1, 3, 7)],
-                "max_tokens": 32,
-            }
-        ],
+        "llm": base_llm(r.model, dtype="float32"),
+        "phases": [{"name": "greedy", "prompts": documents(3), "max_tokens": 32}],
     }
     plain = r.engine("a_plain", spec, VLLM_PLUGINS="")
     plugin = r.engine("a_plugin", spec)
@@ -236,8 +235,11 @@ def item_a(r: Runner) -> dict:
 
 def item_b(r: Runner) -> dict:
     """Host tier on and off: tokens, cached tokens, TTFT of a host hit."""
-    long_prompt = prompt(1, 1500)
-    fillers = [prompt(k, 1500) for k in (3, 7, 9, 11)]
+    from vllm_kvmem.demo import documents
+
+    # ~1,000-token documents; the device KV cache holds about three of them
+    # (float32, 8 KiB a token), so four fillers evict the first.
+    long_prompt, *fillers = documents(5)
     phases = [
         {
             "name": "first",
@@ -259,8 +261,7 @@ def item_b(r: Runner) -> dict:
             "sequential": True,
         },
     ]
-    # A device KV cache of ~4 prompts' worth, so the fillers evict the first.
-    small = dict(kv_cache_memory_bytes=4 * 2048 * 8 * 2 * 2 * 64 * 2)
+    small = dict(kv_cache_memory_bytes=24 << 20, dtype="float32")
     off = r.engine("b_tier_off", {"llm": base_llm(r.model, **small), "phases": phases})
     on = r.engine(
         "b_tier_on",
