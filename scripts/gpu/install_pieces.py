@@ -103,9 +103,14 @@ def check(target: Path) -> dict:
     """Unmet requirements of the packages installed in ``target``."""
     from importlib import metadata
 
-    from packaging.markers import default_environment
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
+    try:
+        from packaging.markers import default_environment
+        from packaging.requirements import Requirement
+        from packaging.utils import canonicalize_name
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.markers import default_environment
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.utils import canonicalize_name
 
     path = [str(target)] + [p for p in sys.path if p != str(target)]
     seen: dict[str, metadata.Distribution] = {}
@@ -129,6 +134,14 @@ def check(target: Path) -> dict:
                 unmet.append({"package": name, "requires": text, "found": None})
             elif not req.specifier.contains(have.version, prereleases=True):
                 unmet.append({"package": name, "requires": text, "found": have.version})
+    try:  # what the plans leave out on purpose (fetch_wheels.OPTIONAL)
+        from fetch_wheels import OPTIONAL
+    except Exception:
+        OPTIONAL = {}
+    for u in unmet:
+        u["left_out_on_purpose"] = (
+            canonicalize_name(Requirement(u["requires"]).name) in OPTIONAL
+        )
     return {
         "target": str(target),
         "installed": len(ours),
@@ -176,12 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = check(args.target)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
+    real = [u for u in result["unmet"] if not u["left_out_on_purpose"]]
     print(
         f"{result['installed']} packages in {result['target']}; "
         f"{len(result['shadowed'])} shadow the machine's own; "
-        f"{len(result['unmet'])} unmet requirements"
+        f"{len(real)} unmet requirements (+{len(result['unmet']) - len(real)} "
+        "on packages the plan leaves out on purpose)"
     )
-    for u in result["unmet"]:
+    for u in real:
         print(f"  {u['package']}: needs {u['requires']}, found {u['found']}")
     return 0
 
