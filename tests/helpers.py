@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +43,25 @@ class EngineRun:
     def ranks(self) -> list[dict[str, Any]]:
         assert self.report is not None, self.log[-4000:]
         return self.report["ranks"]
+
+
+def run_probe(code: str, timeout: float = ENGINE_TIMEOUT_S, **env: str) -> dict:
+    """Run ``code`` in a fresh Python process (vLLM decides its platform and
+    loads plugins once per process) and return the JSON it prints on its last
+    ``REPORT `` line. ``VLLM_PLUGINS`` is cleared unless ``env`` sets it."""
+    full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    full.update(VLLM_LOGGING_LEVEL="WARNING", **env)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=full,
+        timeout=timeout,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("REPORT "))
 
 
 def run_engine(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.copy_checks import CASES, round_trip
 from vllm_kvmem.core.copy_engine import (
     BlockCopyEngine,
     HostBlockPool,
@@ -52,16 +53,6 @@ class VllmCache:
             for name in tensor.layers
         ]
         return torch.cat(pages).cpu()
-
-    def block_mask(self, blocks: list[int]) -> torch.Tensor:
-        """Bytes of the backing allocation that belong to ``blocks``."""
-        mask = torch.zeros(self.base.numel(), dtype=torch.bool)
-        for r in self.regions:
-            for b in blocks:
-                for layer in range(r.num_layers):
-                    start = r.offset + layer * r.layer_stride + b * r.block_stride
-                    mask[start : start + r.page_bytes] = True
-        return mask
 
 
 def _fake_vllm_config(layout: KVCacheLayout, num_blocks: int) -> object:
@@ -116,56 +107,9 @@ def vllm_cache(
     return VllmCache(layout, config, caches, regions)
 
 
-def _fill_random(base: torch.Tensor, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    base.copy_(torch.randint(0, 256, (base.numel(),), dtype=torch.uint8, generator=g))
-
-
-def round_trip(
-    cache: VllmCache,
-    engine: BlockCopyEngine,
-    src_blocks: list[int],
-    slots: list[int],
-    dst_blocks: list[int],
-) -> None:
-    """Save, scribble, load into other blocks; compare byte for byte."""
-    _fill_random(cache.base, seed=1)
-    expected = {b: cache.block_bytes(b) for b in src_blocks}
-
-    save = engine.save(src_blocks, slots)
-    save.wait()
-    assert save.done()
-    for b, s in zip(src_blocks, slots):
-        assert torch.equal(engine.pool.slot(s), expected[b]), (b, s)
-
-    _fill_random(cache.base, seed=2)  # scribble over every device block
-    before = cache.base.cpu().clone()
-    load = engine.load(slots, dst_blocks)
-    load.make_current_stream_wait()
-    load.wait()
-    for b, d in zip(src_blocks, dst_blocks):
-        assert torch.equal(cache.block_bytes(d), expected[b]), (b, d)
-    untouched = ~cache.block_mask(dst_blocks)
-    assert torch.equal(cache.base.cpu()[untouched], before[untouched])
-
-
 def make_engine(cache: VllmCache, num_slots: int = 32, **kw) -> BlockCopyEngine:
     pool = HostBlockPool.for_regions(cache.regions, num_slots)
     return BlockCopyEngine(cache.regions, pool, cache.base.device, **kw)
-
-
-CASES = {
-    # name: (src blocks, host slots, destination blocks)
-    "unsorted": (
-        [7, 2, 11, 3, 4, 5, 20],
-        [5, 0, 9, 1, 2, 3, 6],
-        [0, 13, 1, 14, 15, 16, 22],
-    ),
-    "partial_last_run": ([8, 9, 10, 11, 12], [0, 1, 2, 3, 7], [17, 18, 19, 20, 2]),
-    "single_block": ([23], [31], [0]),
-    "reversed_run": ([6, 5, 4, 3], [3, 2, 1, 0], [10, 11, 12, 13]),
-    "scattered": ([1, 21, 9, 15], [30, 3, 17, 8], [5, 6, 7, 8]),
-}
 
 
 @pytest.mark.parametrize("device", DEVICES)

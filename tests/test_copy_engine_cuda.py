@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.copy_checks import CASES, random_bytes, round_trip
 from vllm_kvmem.core.copy_engine import (
     BlockCopyEngine,
     CopyJob,
@@ -86,15 +87,6 @@ class PlainCache:
                 for layer in range(r.num_layers)
             ]
         ).cpu()
-
-    def block_mask(self, blocks: list[int]) -> torch.Tensor:
-        mask = torch.zeros(self.base.numel(), dtype=torch.bool)
-        for r in self.regions:
-            for b in blocks:
-                for layer in range(r.num_layers):
-                    start = r.offset + layer * r.layer_stride + b * r.block_stride
-                    mask[start : start + r.page_bytes] = True
-        return mask
 
 
 def plain_cache(
@@ -144,11 +136,6 @@ def plain_cache(
 def make_engine(cache: PlainCache, num_slots: int = 32, **kw) -> BlockCopyEngine:
     pool = HostBlockPool.for_regions(cache.regions, num_slots)
     return BlockCopyEngine(cache.regions, pool, cache.base.device, **kw)
-
-
-def _random_bytes(n: int, seed: int, device: torch.device | str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
 
 
 def test_plain_cache_matches_vllm():
@@ -213,45 +200,6 @@ def test_plain_cache_matches_vllm():
 
 
 # -- bit-exact round trips -----------------------------------------------------------
-
-CASES = {
-    # name: (src blocks, host slots, destination blocks)
-    "unsorted": (
-        [7, 2, 11, 3, 4, 5, 20],
-        [5, 0, 9, 1, 2, 3, 6],
-        [0, 13, 1, 14, 15, 16, 22],
-    ),
-    "partial_last_run": ([8, 9, 10, 11, 12], [0, 1, 2, 3, 7], [17, 18, 19, 20, 2]),
-    "single_block": ([23], [31], [0]),
-    "reversed_run": ([6, 5, 4, 3], [3, 2, 1, 0], [10, 11, 12, 13]),
-    "scattered": ([1, 21, 9, 15], [30, 3, 17, 8], [5, 6, 7, 8]),
-}
-
-
-def round_trip(
-    cache: PlainCache,
-    engine: BlockCopyEngine,
-    src_blocks: list[int],
-    slots: list[int],
-    dst_blocks: list[int],
-) -> None:
-    """Save, scribble, load into other blocks; compare byte for byte."""
-    cache.base.copy_(_random_bytes(cache.base.numel(), 1, cache.base.device))
-    expected = {b: cache.block_bytes(b) for b in src_blocks}
-    save = engine.save(src_blocks, slots)
-    save.wait()
-    assert save.done()
-    for b, s in zip(src_blocks, slots):
-        assert torch.equal(engine.pool.slot(s), expected[b]), (b, s)
-    cache.base.copy_(_random_bytes(cache.base.numel(), 2, cache.base.device))
-    before = cache.base.cpu().clone()
-    load = engine.load(slots, dst_blocks)
-    load.make_current_stream_wait()
-    load.wait()
-    for b, d in zip(src_blocks, dst_blocks):
-        assert torch.equal(cache.block_bytes(d), expected[b]), (b, d)
-    untouched = ~cache.block_mask(dst_blocks)
-    assert torch.equal(cache.base.cpu()[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -354,8 +302,8 @@ def test_save_reads_what_the_compute_stream_wrote(spin, monkeypatch, layout, ord
     blocks, slots = [3, 7, 11, 12], [0, 1, 2, 3]
     engine.save(blocks, slots).wait()  # warm: kernels loaded, index pinned
     n = cache.base.numel()
-    old = _random_bytes(n, 10, "cuda")
-    new = _random_bytes(n, 11, "cuda")
+    old = random_bytes(n, 10, "cuda")
+    new = random_bytes(n, 11, "cuda")
     cache.base.copy_(old)
     torch.cuda.synchronize()
     calls: list[int] = []
@@ -392,8 +340,8 @@ def test_load_lands_after_the_compute_stream_wrote(spin, monkeypatch, layout, or
     engine = make_engine(cache)
     blocks, slots = [2, 5, 6, 19], [4, 5, 6, 9]
     n = cache.base.numel()
-    saved = _random_bytes(n, 20, "cuda")
-    late = _random_bytes(n, 21, "cuda")
+    saved = random_bytes(n, 20, "cuda")
+    late = random_bytes(n, 21, "cuda")
     cache.base.copy_(saved)
     engine.save(blocks, slots).wait()  # the slots hold ``saved``'s blocks
     expected = [engine.pool.slot(s).clone() for s in slots]
@@ -428,7 +376,7 @@ def test_overwriting_saved_blocks_must_wait_for_the_save(spin, waits):
     engine = make_engine(cache)
     blocks, slots = [1, 4, 9], [0, 1, 2]
     engine.save(blocks, slots).wait()
-    old = _random_bytes(cache.base.numel(), 30, "cuda")
+    old = random_bytes(cache.base.numel(), 30, "cuda")
     cache.base.copy_(old)
     expected = [cache.block_bytes(b) for b in blocks]
     torch.cuda.synchronize()

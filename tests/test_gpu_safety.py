@@ -11,13 +11,9 @@ once per process, and this test process has long since imported vLLM.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_probe
 
 # The torch objects vLLM's CPU shim replaces at import time.
 TORCH_PROBE = """
@@ -85,21 +81,7 @@ print("REPORT " + json.dumps(report))
 
 
 def _run(code: str, **env: str) -> dict:
-    import os
-
-    full_env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    full_env.update(VLLM_LOGGING_LEVEL="WARNING", **env)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=full_env,
-        timeout=300,
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("REPORT "))
+    return run_probe(code, timeout=300, **env)
 
 
 @pytest.mark.parametrize("kind", ["cuda", "oot"])

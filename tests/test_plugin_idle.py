@@ -11,14 +11,9 @@ signatures of ``EngineArgs`` and ``AsyncEngineArgs``, and the server's
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.helpers import ENGINE_TIMEOUT_S, ROOT, run_engine
+from tests.helpers import run_engine, run_probe
 
 pytestmark = pytest.mark.engine
 
@@ -55,19 +50,7 @@ print("REPORT " + json.dumps({
 
 
 def _options(**env: str) -> dict:
-    full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    full.update(VLLM_LOGGING_LEVEL="WARNING", **env)
-    done = subprocess.run(
-        [sys.executable, "-c", OPTIONS_PROBE],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=full,
-        timeout=ENGINE_TIMEOUT_S,
-    )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("REPORT "))
+    return run_probe(OPTIONS_PROBE, **env)
 
 
 def _differences(without: dict, with_plugin: dict, where: str = "") -> list[str]:
