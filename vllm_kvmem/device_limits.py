@@ -90,16 +90,23 @@ class DeviceLimit:
 # ------------------------------------------------------------------- workers
 
 
+def _profiles_device_memory() -> bool:
+    """Whether vLLM profiles device memory on this platform (CUDA, ROCm,
+    XPU); the CPU worker's limit is the NUMA node's available memory."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda_alike() or current_platform.is_xpu()
+
+
 def cuda_graph_estimate_bytes(worker: Any) -> int:
     """vLLM's estimate of the CUDA graph memory this worker will capture, where
     vLLM itself profiles it (``Worker.determine_available_memory``); 0 where no
     graph is captured or the estimate is switched off."""
     from vllm import envs
     from vllm.config import CUDAGraphMode
-    from vllm.platforms import current_platform
 
     config = worker.vllm_config.compilation_config
-    if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+    if not _profiles_device_memory():
         return 0
     if config.cudagraph_mode == CUDAGraphMode.NONE:
         return 0
@@ -124,11 +131,7 @@ GPU_HEADROOM_BYTES = 150 << 20
 def headroom_bytes() -> int:
     """:data:`GPU_HEADROOM_BYTES` where vLLM profiles device memory; 0 on CPU,
     whose limit is the NUMA node's available memory, not a profiled figure."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda_alike() or current_platform.is_xpu():
-        return GPU_HEADROOM_BYTES
-    return 0
+    return GPU_HEADROOM_BYTES if _profiles_device_memory() else 0
 
 
 def staging_reserve_bytes(vllm_config: Any) -> int:

@@ -21,15 +21,7 @@ cd "$(dirname "$0")/../.."
 
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
-if [ -z "${OUT:-}" ]; then
-    OUT=$(mktemp -d)
-    echo "OUT was unset: writing to $OUT"
-fi
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if [ "$DRY" = 1 ] && [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then
-    PY=.venv/bin/python
-fi
+. scripts/gpu/out_and_python.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/stage1.log") 2>&1
 

@@ -33,15 +33,7 @@ done
 # torch211: vLLM on the machine's own torch 2.11; its wheels come first in
 # the stream, so they install from the pieces that have arrived.
 [ "$PLAN" = torch211 ] && PARTIAL=--partial
-if [ -z "${OUT:-}" ]; then
-    OUT=$(mktemp -d)
-    echo "OUT was unset: writing to $OUT"
-fi
-mkdir -p "$OUT"
-PY=${PYTHON:-python3}
-if [ "$DRY" = 1 ] && [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then
-    PY=.venv/bin/python
-fi
+. scripts/gpu/out_and_python.sh
 SITE=$PWD/.gpu-site
 PIECES=.gpu-wheels/core
 exec > >(tee -a "$OUT/stage2.log") 2>&1
