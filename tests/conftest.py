@@ -9,6 +9,8 @@ test modules share live in ``tests/helpers.py``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,3 +46,36 @@ def model_6l(tmp_path_factory) -> Path:
         head_dim=32,
         dtype="float16",
     )
+
+
+WHEEL_033 = "vllm==0.33.0"
+# What a CUDA server installs: cp312 on manylinux x86_64 (the wheel is abi3).
+WHEEL_PLATFORM = [
+    "--only-binary=:all:",
+    "--python-version",
+    "3.12",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux_2_28_x86_64",
+]
+
+
+@pytest.fixture(scope="session")
+def wheel_033(tmp_path_factory):
+    """vLLM 0.33.0's wheel, read in place; skipped, saying why, when pip
+    cannot fetch it (no package index and nothing in pip's cache)."""
+    folder = tmp_path_factory.mktemp("vllm033")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d"]
+    done = subprocess.run(
+        [*cmd, str(folder), *WHEEL_PLATFORM, WHEEL_033],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    wheels = sorted(folder.glob("vllm-0.33.0-*.whl"))
+    if done.returncode != 0 or not wheels:
+        pytest.skip(f"cannot fetch {WHEEL_033} through pip: {done.stderr[-500:]}")
+    from vllm_kvmem.vllm_sources import SourceTree
+
+    return SourceTree(wheels[0])

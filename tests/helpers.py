@@ -179,3 +179,50 @@ def assert_agrees(run: EngineRun, cap: Any, max_len: int) -> None:
         assert r["tokens"] == cap.tokens
         assert r["concurrency"] == pytest.approx(cap.concurrency)
         assert r["max_model_len"] == max_len
+
+
+# ------------------------------------------------------------ planner inputs
+
+
+def planner_config(
+    model, pp=2, tp=1, budget=64 << 20, max_len=512, flag=True, tokens=None
+):
+    """A real engine-core ``VllmConfig`` for planner tests (no engine started)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    cfg = EngineArgs(
+        model=str(model),
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        kv_cache_memory_bytes=None if tokens else budget,
+        max_model_len=max_len,
+        enable_pp_prop_kv_cache=flag,
+        kv_cache_tokens=tokens,
+    ).create_engine_config()
+    register_all_kvcache_specs(cfg)
+    return cfg
+
+
+def worker_specs(cfg, layers_per_stage, tp=1, heads=None):
+    """Per-worker spec dicts, rank order = stage-major, TP-minor (as vLLM)."""
+    import torch
+    import vllm.v1.attention.backends.utils as attn_utils
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    bs = cfg.cache_config.block_size
+    out, first = [], 0
+    for stage, n in enumerate(layers_per_stage):
+        h = heads[stage] if heads else 2
+        stage_specs = {
+            f"model.layers.{first + i}.self_attn.attn": FullAttentionSpec(
+                block_size=bs, num_kv_heads=h, head_size=64, dtype=torch.bfloat16
+            )
+            for i in range(n)
+        }
+        first += n
+        out += [dict(stage_specs) for _ in range(tp)]
+    attn_utils.resolve_kv_cache_layout(
+        cfg, [["LBHNC"]] * len(out), [s for d in out for s in d.values()]
+    )
+    return out

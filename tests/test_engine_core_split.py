@@ -13,13 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import pytest
-import torch
-import vllm.v1.attention.backends.utils as attn_utils
-from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core import kv_cache_utils as ku
-from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tests.helpers import captured_log, messages
+from tests.helpers import planner_config as _config
+from tests.helpers import worker_specs as _specs
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
 pytestmark = pytest.mark.usefixtures("vllm_patched")
@@ -29,44 +27,6 @@ BIG = 1 << 40
 MiB = 1 << 20
 # model_8l on CPU: 128-token blocks of 64 KiB per layer, so a 6/2 split holds
 # 384 KiB of each block on stage 0 and 128 KiB on stage 1 (3/4 and 1/4).
-
-
-def _config(model, pp=2, tp=1, budget=64 << 20, max_len=512, flag=True, tokens=None):
-    cfg = EngineArgs(
-        model=str(model),
-        pipeline_parallel_size=pp,
-        tensor_parallel_size=tp,
-        kv_cache_memory_bytes=None if tokens else budget,
-        max_model_len=max_len,
-        enable_pp_prop_kv_cache=flag,
-        kv_cache_tokens=tokens,
-    ).create_engine_config()
-    from vllm.v1.core.single_type_kv_cache_manager import (
-        register_all_kvcache_specs,
-    )
-
-    register_all_kvcache_specs(cfg)
-    return cfg
-
-
-def _specs(cfg, layers_per_stage, tp=1, heads=None):
-    """Per-worker spec dicts, rank order = stage-major, TP-minor (as vLLM)."""
-    bs = cfg.cache_config.block_size
-    out, first = [], 0
-    for stage, n in enumerate(layers_per_stage):
-        h = heads[stage] if heads else 2
-        stage_specs = {
-            f"model.layers.{first + i}.self_attn.attn": FullAttentionSpec(
-                block_size=bs, num_kv_heads=h, head_size=64, dtype=torch.bfloat16
-            )
-            for i in range(n)
-        }
-        first += n
-        out += [dict(stage_specs) for _ in range(tp)]
-    attn_utils.resolve_kv_cache_layout(
-        cfg, [["LBHNC"]] * len(out), [s for d in out for s in d.values()]
-    )
-    return out
 
 
 def _alloc(c):

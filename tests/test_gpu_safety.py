@@ -61,11 +61,13 @@ before_plugins = set(sys.modules)
 from vllm.platforms import current_platform
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from vllm_kvmem.patches import ALL_PATCHES, apply_all, for_platform, is_applied
+from vllm_kvmem.patches import (
+    ALL_PATCHES, apply_all, for_platform, for_series, is_applied)
+from vllm_kvmem.vllm_adapter import vllm_series
 imported = sorted(set(sys.modules) - before_plugins)
 changed = torch_changed()
 cpu_modules = cpu_worker_modules()
-mine = for_platform(ALL_PATCHES, current_platform)
+mine = for_series(for_platform(ALL_PATCHES, current_platform), vllm_series())
 report = dict(
     is_cpu=current_platform.is_cpu(),
     torch_changed=changed,
@@ -139,12 +141,13 @@ names = sorted(m.name for m in pkgutil.walk_packages(
 for name in names:
     importlib.import_module(name)
 changed = torch_changed()
-from vllm_kvmem.patches import ALL_PATCHES, is_applied
+from vllm_kvmem.patches import ALL_PATCHES, for_series, is_applied
+from vllm_kvmem.vllm_adapter import vllm_series
 from vllm.platforms import current_platform
 report = dict(
     modules=names,
     torch_changed=changed,
-    applied=[p.name for p in ALL_PATCHES
+    applied=[p.name for p in for_series(ALL_PATCHES, vllm_series())
              if p.applies_to(current_platform) and is_applied(p)],
 )
 print("REPORT " + json.dumps(report))

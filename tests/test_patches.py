@@ -9,17 +9,32 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvmem.patches import ALL_PATCHES, apply_all, is_applied, original_of
+from vllm_kvmem.patches import (
+    ALL_PATCHES,
+    apply_all,
+    for_series,
+    is_applied,
+    original_of,
+)
 from vllm_kvmem.patches._registry import check_signature, to_markdown
 from vllm_kvmem.plugin import register
+from vllm_kvmem.vllm_adapter import vllm_series
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
 pytestmark = pytest.mark.usefixtures("vllm_patched")
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "patches.md"
+#: The records for the installed vLLM (0.32); every series' targets are read
+#: from its sources in tests/test_vllm_versions.py.
+INSTALLED = for_series(ALL_PATCHES, vllm_series())
 
 
-@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+def test_other_series_records_are_not_applied_here():
+    others = [p for p in ALL_PATCHES if p not in INSTALLED]
+    assert {p.name for p in others} == {"kv_cache_builder", "executor_kv_cache_init"}
+
+
+@pytest.mark.parametrize("patch", INSTALLED, ids=lambda p: p.name)
 def test_target_exists_with_expected_signature(patch):
     from vllm.platforms import current_platform
 
@@ -29,7 +44,7 @@ def test_target_exists_with_expected_signature(patch):
     assert is_applied(patch) == patch.applies_to(current_platform)
 
 
-@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize("patch", INSTALLED, ids=lambda p: p.name)
 def test_applying_twice_changes_nothing(patch):
     from vllm.platforms import current_platform
 
@@ -66,7 +81,7 @@ def test_options_are_not_already_engine_args_fields():
     assert not fields & set(KVMemConfig.option_names())
 
 
-@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize("patch", INSTALLED, ids=lambda p: p.name)
 def test_wrapper_keeps_the_original_signature_and_metadata(patch):
     """Tools that introspect vLLM (``inspect.signature(EngineArgs)`` lists 256
     parameters) see the same callable with the plugin registered."""
@@ -95,7 +110,7 @@ def test_unknown_vllm_version_patches_nothing(monkeypatch):
     from vllm_kvmem import plugin
 
     monkeypatch.setattr(plugin, "_state", {"done": False, "patched": False})
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.33.1")
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.34.1")
     assert plugin.register() is False
 
 

@@ -17,9 +17,23 @@ from vllm_kvmem import vllm_adapter as va
 PACKAGE = Path(va.__file__).resolve().parent
 
 
-@pytest.mark.parametrize("helper", va.VLLM_HELPERS, ids=lambda h: h.name)
+INSTALLED = [h for h in va.VLLM_HELPERS if va.vllm_series() in h.versions]
+
+
+@pytest.mark.parametrize("helper", INSTALLED, ids=lambda h: h.name)
 def test_helper_exists_with_expected_signature(helper):
+    """On the installed vLLM; every series' entries are read from its sources
+    in tests/test_vllm_versions.py."""
     assert callable(helper.check_signature())  # raises if vLLM changed it
+
+
+def test_every_helper_has_one_entry_per_series():
+    for name in {h.name for h in va.VLLM_HELPERS}:
+        for series in va.SERIES:
+            found = [
+                h for h in va.VLLM_HELPERS if h.name == name and series in h.versions
+            ]
+            assert len(found) <= 1, (name, series)
 
 
 def test_a_changed_helper_is_detected():

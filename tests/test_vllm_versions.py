@@ -2,7 +2,8 @@
 
 vLLM 0.32 is installed (and runs: the rest of the suite); vLLM 0.33 has no
 CPU build, so its sources are read from its CUDA wheel, fetched through pip
-(its cache first) and never imported. For each release a record names, its
+(its cache first; the ``wheel_033`` fixture in conftest.py) and never
+imported. For each release a record names, its
 target must exist there with the parameters the record expects; a record
 that names a release whose target moved fails here.
 """
@@ -11,28 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_probe
 from vllm_kvmem.patches import ALL_PATCHES, original_of
 from vllm_kvmem.patches._registry import KNOWN_SERIES
 from vllm_kvmem.vllm_adapter import VLLM_HELPERS
 from vllm_kvmem.vllm_sources import SourceTree
-
-WHEEL_033 = "vllm==0.33.0"
-# What a CUDA server installs: cp312 on manylinux x86_64 (the wheel is abi3).
-WHEEL_PLATFORM = [
-    "--only-binary=:all:",
-    "--python-version",
-    "3.12",
-    "--implementation",
-    "cp",
-    "--platform",
-    "manylinux_2_28_x86_64",
-]
 
 
 @pytest.fixture(scope="session")
@@ -42,34 +30,18 @@ def installed() -> SourceTree:
     return SourceTree(Path(vllm.__file__).resolve().parent.parent)
 
 
-@pytest.fixture(scope="session")
-def wheel_033(tmp_path_factory) -> SourceTree:
-    """vLLM 0.33.0's wheel, read in place; skipped, saying why, when pip
-    cannot fetch it (no package index and nothing in pip's cache)."""
-    folder = tmp_path_factory.mktemp("vllm033")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d"]
-    done = subprocess.run(
-        [*cmd, str(folder), *WHEEL_PLATFORM, WHEEL_033],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    wheels = sorted(folder.glob("vllm-0.33.0-*.whl"))
-    if done.returncode != 0 or not wheels:
-        pytest.skip(f"cannot fetch {WHEEL_033} through pip: {done.stderr[-500:]}")
-    return SourceTree(wheels[0])
-
-
 def _tree(request, series: str) -> SourceTree:
     return request.getfixturevalue("installed" if series == "0.32" else "wheel_033")
 
 
-def _cases():
+def _cases(records):
+    """``(series, record)`` for every series each record (a patch or an
+    adapter helper) names."""
     return [
-        pytest.param(series, patch, id=f"{series}-{patch.name}")
+        pytest.param(series, record, id=f"{series}-{record.name}")
         for series in KNOWN_SERIES
-        for patch in ALL_PATCHES
-        if series in patch.versions
+        for record in records
+        if series in record.versions
     ]
 
 
@@ -77,14 +49,16 @@ def _expected(patch, params: tuple[str, ...]) -> tuple[str, ...]:
     return params[: len(patch.signature)] if patch.signature_is_prefix else params
 
 
-@pytest.mark.parametrize("series,patch", _cases())
+@pytest.mark.parametrize("series,patch", _cases(ALL_PATCHES))
 def test_record_target_exists_with_its_signature(request, series, patch):
     tree = _tree(request, series)
     assert tree.version().startswith(series + ".")
     assert _expected(patch, tree.parameters(patch.target)) == patch.signature
 
 
-@pytest.mark.parametrize("patch", ALL_PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "patch", [p for p in ALL_PATCHES if "0.32" in p.versions], ids=lambda p: p.name
+)
 def test_source_reader_agrees_with_the_running_vllm(installed, patch):
     """The reader is right where it can be checked: on the installed 0.32 it
     gives exactly the parameters Python gives for the real objects (a
@@ -107,24 +81,58 @@ def test_a_misnamed_or_moved_target_is_caught(request, installed, wheel_033):
         wheel_033.parameters(planner.target)
 
 
-def test_adapter_helpers_that_0_33_moved(wheel_033):
-    """The vLLM helpers the adapter calls, on 0.33: which still match, and
-    which moved with the planner (what a 0.33 adapter has to port)."""
-    moved = set()
-    for helper in VLLM_HELPERS:
-        try:
-            params = wheel_033.parameters(helper.target)
-        except LookupError:
-            moved.add(helper.name)
-            continue
-        assert params == helper.signature, helper.target
-    assert moved == {
+@pytest.mark.parametrize("series,helper", _cases(VLLM_HELPERS))
+def test_adapter_helper_exists_with_its_signature(request, series, helper):
+    """The vLLM functions the adapter calls, per series: 0.33 moved five of
+    them to kv_cache_planning, three of those now take the builder."""
+    assert _tree(request, series).parameters(helper.target) == helper.signature
+
+
+BUILDER_033 = "vllm.v1.core.kv_cache_config_builder"
+PLANNING_033 = "vllm.v1.core.kv_cache_planning"
+
+
+def test_our_builder_has_the_0_33_interface(wheel_033):
+    """Every method of 0.33's ``KVCacheConfigBuilder`` (the abstract ones and
+    the pool-bytes hook vLLM calls), with the same parameters."""
+    from vllm_kvmem.kv_builder import KVMemKVCacheConfigBuilder
+
+    for method in (
         "get_kv_cache_groups",
-        "_project_kv_cache_groups_to_worker",
-        "_pool_bytes_per_block",
-        "_max_memory_usage_bytes_from_groups",
         "get_kv_cache_config_from_groups",
-    }
+        "_get_pool_bytes_per_block",
+    ):
+        theirs = wheel_033.parameters(f"{BUILDER_033}:KVCacheConfigBuilder.{method}")
+        ours = inspect.signature(getattr(KVMemKVCacheConfigBuilder, method))
+        assert tuple(ours.parameters) == theirs, method
+
+
+def test_0_33_instantiates_the_builder_the_platform_names(wheel_033):
+    """The hook vllm-kvmem patches is what 0.33 asks, and the class it names is
+    built with no arguments (so ours must be, and resolves its inner builder
+    per call)."""
+    calls = wheel_033.calls(f"{BUILDER_033}:get_kv_cache_config_builder")
+    assert calls["current_platform.get_kv_cache_config_builder_cls"] == [1]
+    assert calls["builder_cls"] == [0]
+
+
+def test_registration_accepts_0_32_and_0_33_and_refuses_other_series():
+    code = """
+import json, logging, vllm
+from vllm_kvmem import plugin
+seen = []
+class Catch(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger("vllm.kvmem.plugin").addHandler(Catch())
+vllm.__version__ = VERSION
+print("REPORT " + json.dumps({"active": plugin.register(), "log": seen}))
+"""
+    refused = run_probe(code.replace("VERSION", "'0.34.0'"))
+    assert refused["active"] is False
+    (line,) = refused["log"]
+    assert "supports vLLM 0.32.x and 0.33.x only, found 0.34.0" in line
+    assert run_probe(code.replace("VERSION", "'0.32.9'"))["active"] is True
 
 
 def test_a_record_with_an_unknown_series_is_refused():

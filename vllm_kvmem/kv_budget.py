@@ -5,15 +5,19 @@
   the engine sees the KV specs.
 * Workers: :func:`report_device_limit` is what each worker reports to the
   engine when the engine sizes the cache, instead of a budget.
-* Engine core: :func:`plan_kv_cache_configs` replaces vLLM's
-  ``get_kv_cache_configs`` call. It picks the budget mode, lets vLLM's own
-  planner build every worker's config, and logs one startup table of what
-  each rank got.
+* Engine core: :func:`plan_budget` picks the budget mode and plans each rank's
+  blocks, checked against its device. On vLLM 0.32
+  :func:`plan_kv_cache_configs` replaces the ``get_kv_cache_configs`` call and
+  hands vLLM's own planner those bytes; on 0.33 :func:`stash_plan` keeps the
+  plan for vllm-kvmem's ``KVCacheConfigBuilder`` (:func:`planned_blocks`) and
+  :func:`configs_ready` runs when vLLM's planner is done. Either way one
+  startup table says what each rank got.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -25,7 +29,7 @@ from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core import kv_math
 from vllm_kvmem.core.table import BAR, render_table
 from vllm_kvmem.core.units import gib, mib
-from vllm_kvmem.device_limits import DeviceLimit, limits_for
+from vllm_kvmem.device_limits import RUNTIME_KEY, DeviceLimit, limits_for
 
 logger = init_logger("vllm.kvmem.kv_budget")
 
@@ -96,50 +100,82 @@ def report_device_limit(worker: Any, limit: DeviceLimit) -> int:
 # ------------------------------------------------------------ engine core
 
 
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What the engine's budget mode decides before vLLM builds the configs."""
+
+    title: str
+    """The startup table's title: which budget sized the cache."""
+    blocks: int | None = None
+    """The block count every rank gets; None: vLLM's own count."""
+    memory: list[int] | None = None
+    """Per-rank bytes for vLLM's planner (``blocks`` of each rank's groups)."""
+    shares: list[int] | None = None
+    """Per-rank shares of a pipeline-wide budget (the table's extra columns)."""
+
+
+def plan_budget(
+    vllm_config: Any,
+    kv_cache_specs: list[dict[str, Any]],
+    available_memory: list[int],
+) -> BudgetPlan:
+    """The budget mode's per-rank figures, checked against each worker's device
+    limit (``available_memory``) and against one max_model_len sequence."""
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
+    if (tokens := cfg.kv_cache_tokens) is not None:
+        blocks, memory = token_budget_memory(
+            vllm_config, kv_cache_specs, available_memory, tokens
+        )
+        return BudgetPlan(f"{TOKENS_FLAG} {tokens:,}", blocks, memory)
+    budget = vllm_config.cache_config.kv_cache_memory_bytes
+    if pp_prop.is_active(vllm_config, cfg):
+        title = (
+            f"{pp_prop.FLAG}: {gib(budget)} GiB pipeline-wide, split by KV bytes "
+            "per block"
+        )
+        split = pp_prop.proportional_shares(
+            vllm_config, kv_cache_specs, available_memory
+        )
+        if split is None:
+            return BudgetPlan(title)
+        shares, blocks = split
+        return BudgetPlan(title, blocks, shares, shares)
+    return BudgetPlan(_vllm_sized_title(vllm_config))
+
+
+def _vllm_sized_title(vllm_config: Any) -> str:
+    budget = vllm_config.cache_config.kv_cache_memory_bytes
+    return (
+        f"{BUDGET_FLAG} {gib(budget)} GiB per rank"
+        if budget is not None
+        else "profiled memory"
+    )
+
+
 def plan_kv_cache_configs(
     original: Callable[..., list[Any]],
     vllm_config: Any,
     kv_cache_specs: list[dict[str, Any]],
     available_memory: list[int],
 ) -> list[Any]:
+    """vLLM 0.32's ``get_kv_cache_configs`` under the budget mode: vLLM's own
+    planner gets each rank's planned bytes instead of its device limit."""
     if not any(kv_cache_specs):
         return original(vllm_config, kv_cache_specs, available_memory)
-    cfg = KVMemConfig.from_vllm_config(vllm_config)
-    extra: dict[str, list[str]] = {}
-    trailer: list[str] = []
-    if (tokens := cfg.kv_cache_tokens) is not None:
-        configs = token_budget_configs(
-            original, vllm_config, kv_cache_specs, available_memory, tokens
-        )
-        title = f"{TOKENS_FLAG} {tokens:,}"
-    elif pp_prop.is_active(vllm_config, cfg):
-        configs, extra, trailer = pp_prop.proportional_kv_cache_configs(
-            original, vllm_config, kv_cache_specs, available_memory
-        )
-        title = (
-            f"{pp_prop.FLAG}: {gib(vllm_config.cache_config.kv_cache_memory_bytes)}"
-            " GiB pipeline-wide, split by KV bytes per block"
-        )
-    else:
-        configs = original(vllm_config, kv_cache_specs, available_memory)
-        budget = vllm_config.cache_config.kv_cache_memory_bytes
-        title = (
-            f"{BUDGET_FLAG} {gib(budget)} GiB per rank"
-            if budget is not None
-            else "profiled memory"
-        )
-    log_startup_report(vllm_config, configs, title, extra, trailer)
+    plan = plan_budget(vllm_config, kv_cache_specs, available_memory)
+    configs = original(vllm_config, kv_cache_specs, plan.memory or available_memory)
+    log_startup_report(vllm_config, configs, plan)
     return configs
 
 
-def token_budget_configs(
-    original: Callable[..., list[Any]],
+def token_budget_memory(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, Any]],
     limits: list[int],
     tokens: int,
-) -> list[Any]:
-    """Give every rank exactly the blocks ``tokens`` need, from its own specs."""
+) -> tuple[int, list[int]]:
+    """Every rank gets exactly the blocks ``tokens`` need, from its own specs:
+    ``(blocks, bytes per rank)``."""
     groups = va.worker_groups(vllm_config, kv_cache_specs)
     # All ranks share one block table, so one block count; the largest count any
     # rank's groups need (they agree unless a stage lacks a group) wins.
@@ -169,7 +205,56 @@ def token_budget_configs(
         blocks,
         ", ".join(f"rank {r} {mib(m)}" for r, m in enumerate(memory)),
     )
-    return original(vllm_config, kv_cache_specs, memory)
+    return blocks, memory
+
+
+# ------------------------------------------- engine core, vLLM 0.33 (builder)
+
+_PLAN_KEY = "kv_plan"
+
+
+def stash_plan(
+    vllm_config: Any, kv_cache_specs: list[dict[str, Any]], limits: list[int]
+) -> None:
+    """vLLM 0.33: plan the budget where the engine core has every worker's
+    specs and limits (after they are measured, before vLLM plans), for
+    vllm-kvmem's ``KVCacheConfigBuilder`` to apply (changes ``vllm_config``'s
+    ``additional_config``). The same checks and errors as on 0.32."""
+    if vllm_config.model_config.original_max_model_len == -1:
+        cfg = KVMemConfig.from_vllm_config(vllm_config)
+        flag = TOKENS_FLAG if cfg.kv_cache_tokens is not None else pp_prop.FLAG
+        raise ValueError(
+            f"{flag} with --max-model-len auto (-1) is not supported on vLLM 0.33 "
+            f"yet: vLLM 0.33 fits max_model_len to the device's memory before "
+            f"vllm-kvmem's budget applies. Give --max-model-len explicitly."
+        )
+    plan = plan_budget(vllm_config, kv_cache_specs, limits)
+    runtime = vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
+    runtime[_PLAN_KEY] = asdict(plan)
+
+
+def planned_blocks(vllm_config: Any, num_blocks: int) -> int:
+    """The block count vllm-kvmem's builder gives for vLLM's ``num_blocks``: the
+    plan's, never more than vLLM's (what the device holds), and vLLM's own
+    outside the engine core's planning (profiling, workers)."""
+    runtime = (vllm_config.additional_config or {}).get(RUNTIME_KEY, {})
+    plan = runtime.get(_PLAN_KEY)
+    if plan is None or plan["blocks"] is None:
+        return num_blocks
+    return min(num_blocks, plan["blocks"])
+
+
+def configs_ready(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
+    """vLLM 0.33: the engine core's configs are final; log the startup table
+    and end the plan (later builder calls get vLLM's own block counts)."""
+    runtime = (vllm_config.additional_config or {}).get(RUNTIME_KEY, {})
+    stashed = runtime.pop(_PLAN_KEY, None)
+    if not any(c.kv_cache_groups for c in kv_cache_configs):
+        return
+    plan = (
+        BudgetPlan(**stashed) if stashed else BudgetPlan(_vllm_sized_title(vllm_config))
+    )
+    log_startup_report(vllm_config, kv_cache_configs, plan)
 
 
 def _check_holds_a_sequence(
@@ -217,14 +302,13 @@ def report_rows(vllm_config: Any, configs: Sequence[Any]) -> list[dict[str, Any]
 
 
 def log_startup_report(
-    vllm_config: Any,
-    configs: Sequence[Any],
-    title: str,
-    extra: dict[str, list[str]] | None = None,
-    trailer: Sequence[str] = (),
+    vllm_config: Any, configs: Sequence[Any], plan: BudgetPlan
 ) -> None:
     rows = report_rows(vllm_config, configs)
-    extra = extra or {}
+    extra: dict[str, list[str]] = {}
+    trailer: list[str] = []
+    if plan.shares is not None:
+        extra, trailer = pp_prop.comparison_columns(vllm_config, configs, plan.shares)
     max_len = vllm_config.model_config.max_model_len
     headers = ["rank", "stage", "layers", "KV GiB", "blocks", "tokens", "conc"]
     widths = [4, 5, 6, 8, 9, 11, 8]
@@ -251,5 +335,5 @@ def log_startup_report(
         sep=" ",
         indent="  ",
     )
-    title = f"KV cache per rank ({title}; max_model_len {max_len:,}):"
+    title = f"KV cache per rank ({plan.title}; max_model_len {max_len:,}):"
     logger.info("\n".join([title, *table, *trailer]))

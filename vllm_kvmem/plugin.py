@@ -7,23 +7,15 @@ platform, and refuses (one log line, nothing patched) any vLLM outside the
 series it runs on. This module imports vLLM only when :func:`register` runs.
 
 Each patch record names the series whose sources it was checked against
-(``Patch.versions``). vLLM 0.33's sources are checked too, but 0.33 moved KV
-cache planning behind a ``KVCacheConfigBuilder`` and vllm-kvmem does not yet
-plan through it, so 0.33 is still refused as a whole rather than half-patched.
+(``Patch.versions``); on a series only its records apply (on vLLM 0.33 the
+budget goes through a ``KVCacheConfigBuilder`` instead of the 0.32 planner
+patch). A series outside ``vllm_adapter.SERIES`` is refused as a whole rather
+than half-patched.
 """
 
 from __future__ import annotations
 
 import os
-
-#: The series vllm-kvmem patches. Every record applied there must name it.
-SUPPORTED_SERIES = "0.32."
-
-#: Why a series that is checked statically is still refused.
-_NOT_YET = {
-    "0.33.": " (vLLM 0.33 plans the KV cache through a KVCacheConfigBuilder, "
-    "which vllm-kvmem does not implement yet.)"
-}
 
 _state: dict[str, bool] = {"done": False, "patched": False}
 
@@ -41,24 +33,24 @@ def register() -> bool:
     _state["done"] = True
     from vllm.logger import init_logger
 
+    from vllm_kvmem.vllm_adapter import SERIES, series_of
+
     logger = init_logger("vllm.kvmem.plugin")
     version = vllm_version()
-    if not version.startswith(SUPPORTED_SERIES):
+    series = series_of(version)
+    if series is None:
         logger.warning(
-            "vllm-kvmem supports vLLM %sx only, found %s: nothing patched, "
-            "the vllm-kvmem options are unavailable.%s",
-            SUPPORTED_SERIES,
+            "vllm-kvmem supports vLLM %s only, found %s: nothing patched, "
+            "the vllm-kvmem options are unavailable.",
+            " and ".join(f"{s}.x" for s in SERIES),
             version,
-            _NOT_YET.get(version[:5], ""),
         )
         return False
     from vllm.platforms import current_platform
 
-    from vllm_kvmem.patches import ALL_PATCHES, apply_all, for_platform
+    from vllm_kvmem.patches import ALL_PATCHES, apply_all, for_platform, for_series
 
-    patches = [
-        p for p in for_platform(ALL_PATCHES, current_platform) if p.for_version(version)
-    ]
+    patches = for_series(for_platform(ALL_PATCHES, current_platform), series)
     if not patches:
         logger.warning(
             "vllm-kvmem supports the CPU, CUDA, ROCm and XPU platforms, not %s: "
@@ -70,10 +62,11 @@ def register() -> bool:
     _state["patched"] = True
     skipped = [p.name for p in ALL_PATCHES if p not in patches]
     logger.debug(
-        "vllm-kvmem patches applied in pid %d on %s: %s%s",
+        "vllm-kvmem patches applied in pid %d on %s, vLLM %s: %s%s",
         os.getpid(),
         type(current_platform).__name__,
+        version,
         ", ".join(applied) or "none new",
-        f" (not for this platform: {', '.join(skipped)})" if skipped else "",
+        f" (not for this platform or series: {', '.join(skipped)})" if skipped else "",
     )
     return True

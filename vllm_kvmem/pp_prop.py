@@ -7,14 +7,14 @@ The integration half of the feature (the arithmetic is in
 * API server: :func:`check_flags` checks the flags at startup.
 * Workers: :func:`log_rank_share` prints the seed's per-rank line (what each
   worker reports to the engine is ``kv_budget.report_device_limit``).
-* Engine core: :func:`proportional_kv_cache_configs` turns the budget into
-  per-worker shares from the KV specs the workers report, then lets vLLM's own
-  planner build the per-worker configs from those shares.
+* Engine core: :func:`proportional_shares` turns the budget into per-worker
+  shares from the KV specs the workers report; vLLM's own planner builds the
+  per-worker configs from those shares (``vllm_kvmem.kv_budget``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.logger import init_logger
@@ -88,17 +88,17 @@ def log_rank_share(
 # ----------------------------------------------------------------- engine core
 
 
-def proportional_kv_cache_configs(
-    original: Callable[..., list[Any]],
+def proportional_shares(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, Any]],
     available_memory: list[int],
-) -> tuple[list[Any], dict[str, list[str]], list[str]]:
-    """``get_kv_cache_configs`` with the pipeline-wide budget split by stage.
+) -> tuple[list[int], int] | None:
+    """Each rank's share of the pipeline-wide budget, and the block count every
+    stage gets from it; None where the split does not apply.
 
     ``available_memory`` holds what each worker's device can hold (reported by
-    the worker patch); the shares replace it. Also returns the startup
-    report's extra columns and trailer lines.
+    the worker patch); the shares replace it in vLLM's planner (0.32), or cap
+    the builder's block count (0.33, ``vllm_kvmem.kv_builder``).
     """
     if vllm_config.cache_config.num_gpu_blocks_override is not None:
         logger.warning(
@@ -106,18 +106,16 @@ def proportional_kv_cache_configs(
             "pipeline-wide split is not applied.",
             FLAG,
         )
-        return original(vllm_config, kv_cache_specs, available_memory), {}, []
+        return None
     budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
     groups = va.worker_groups(vllm_config, kv_cache_specs)
     if not all(groups):
         logger.info("%s: a stage has no KV cache layers; split not applied.", FLAG)
-        return original(vllm_config, kv_cache_specs, available_memory), {}, []
+        return None
     bpb = [va.bytes_per_block(vllm_config, g) for g in groups]
     stage = va.stage_of_each_rank(kv_cache_specs)
     stages = _Stages(stage, bpb, limits_for(vllm_config, available_memory))
     per_stage = pp_split.split_budget(budget, stages.bpb)
-    shares = [per_stage[s].share_bytes for s in stage]
-
     _check_shares_fit_devices(stages, per_stage, budget)
     if vllm_config.model_config.original_max_model_len != -1:
         needs = [
@@ -125,12 +123,7 @@ def proportional_kv_cache_configs(
             for r in stages.first_rank
         ]
         _check_shares_hold_a_sequence(vllm_config, stages, per_stage, needs, budget)
-
-    configs = original(vllm_config, kv_cache_specs, shares)
-    extra, trailer = comparison_columns(
-        vllm_config, configs, groups, bpb, shares, stage, budget
-    )
-    return configs, extra, trailer
+    return [per_stage[s].share_bytes for s in stage], per_stage[0].num_blocks
 
 
 class _Stages:
@@ -190,17 +183,14 @@ def _check_shares_hold_a_sequence(
 
 
 def comparison_columns(
-    vllm_config: Any,
-    configs: Sequence[Any],
-    groups: Sequence[Any],
-    bpb: Sequence[int],
-    shares: Sequence[int],
-    stage: Sequence[int],
-    budget: int,
+    vllm_config: Any, configs: Sequence[Any], shares: Sequence[int]
 ) -> tuple[dict[str, list[str]], list[str]]:
     """Startup-report columns: each rank's share, and what the same budget gives
     without the flag (every rank handed the whole budget, then cut by vLLM to
     the smallest block count, PR #25164)."""
+    budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
+    groups = [c.kv_cache_groups for c in configs]
+    bpb = [va.bytes_per_block(vllm_config, g) for g in groups]
     base_blocks = pp_split.uniform_blocks(budget, bpb)
     cols: dict[str, list[str]] = {
         "share GiB": [],
@@ -217,7 +207,7 @@ def comparison_columns(
         cols["w/o flag: KV GiB"].append(gib(base_bytes[-1], 3))
         cols["tokens"].append(f"{tokens:,}")
         cols["conc"].append(f"{conc:.2f}x")
-    firsts = va.first_rank_of_each_stage(stage)  # one TP shard
+    firsts = va.first_rank_of_each_stage(va.stages_of_configs(configs))  # one TP shard
     total = sum(configs[i].num_blocks * bpb[i] for i in firsts)
     base_total = sum(base_bytes[i] for i in firsts)
     trailer = [

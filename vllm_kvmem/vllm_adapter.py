@@ -10,7 +10,11 @@ The vLLM functions this module calls (several are private) are listed in
 :data:`VLLM_HELPERS` and only reached through it: each is checked against
 the parameters we call it with the first time it is used, and
 ``tests/test_vllm_adapter.py`` checks them all, the way the patch records
-check the functions vllm-kvmem replaces.
+check the functions vllm-kvmem replaces. Each record names the vLLM series it
+holds for (``tests/test_vllm_versions.py`` reads 0.33's from its wheel): vLLM
+0.33 moved planning to ``kv_cache_planning`` behind a ``KVCacheConfigBuilder``,
+so there the groups, bytes per block and configs come from the builder the
+platform selects (:func:`platform_builder`), as vLLM's own planner gets them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 _KU = "vllm.v1.core.kv_cache_utils"
+_KP = "vllm.v1.core.kv_cache_planning"  # vLLM 0.33
 _CPU = "vllm.utils.cpu_resource_utils"
 
 
@@ -46,6 +51,8 @@ class VllmHelper:
     """``module:attr``."""
     signature: tuple[str, ...]
     used_for: str
+    versions: tuple[str, ...] = ("0.32", "0.33")
+    """vLLM series whose sources hold ``target`` with ``signature``."""
 
     @property
     def name(self) -> str:
@@ -72,31 +79,65 @@ VLLM_HELPERS: tuple[VllmHelper, ...] = (
         f"{_KU}:get_kv_cache_groups",
         ("vllm_config", "kv_cache_spec"),
         "the KV cache groups vLLM's planner forms from every worker's specs",
+        ("0.32",),
+    ),
+    VllmHelper(
+        f"{_KP}:get_global_kv_cache_groups",
+        ("vllm_config", "kv_cache_specs"),
+        "the KV cache groups vLLM's planner forms from every worker's specs",
+        ("0.33",),
     ),
     VllmHelper(
         f"{_KU}:_project_kv_cache_groups_to_worker",
         ("global_kv_cache_groups", "worker_spec"),
         "those groups restricted to one worker's layers (its pipeline stage)",
+        ("0.32",),
+    ),
+    VllmHelper(
+        f"{_KP}:_project_kv_cache_groups_to_worker",
+        ("global_kv_cache_groups", "worker_spec"),
+        "those groups restricted to one worker's layers (its pipeline stage)",
+        ("0.33",),
     ),
     VllmHelper(
         f"{_KU}:_pool_bytes_per_block",
         ("vllm_config", "kv_cache_groups"),
         "bytes per block, the divisor vLLM turns a budget into blocks with",
+        ("0.32",),
+    ),
+    VllmHelper(
+        f"{_KP}:_pool_bytes_per_block_from_builder",
+        ("builder", "vllm_config", "kv_cache_groups"),
+        "bytes per block, the divisor vLLM turns a budget into blocks with",
+        ("0.33",),
     ),
     VllmHelper(
         f"{_KU}:_max_memory_usage_bytes_from_groups",
         ("vllm_config", "kv_cache_groups"),
         "bytes one max_model_len sequence needs, vLLM's startup check",
+        ("0.32",),
+    ),
+    VllmHelper(
+        f"{_KP}:_max_memory_usage_bytes_from_groups",
+        ("builder", "vllm_config", "kv_cache_groups"),
+        "bytes one max_model_len sequence needs, vLLM's startup check",
+        ("0.33",),
     ),
     VllmHelper(
         f"{_KU}:get_kv_cache_config_from_groups",
         ("vllm_config", "kv_cache_groups", "available_memory"),
         "the config vLLM builds for a given number of bytes",
+        ("0.32",),
     ),
     VllmHelper(
         f"{_KU}:get_kv_cache_capacity",
         ("vllm_config", "kv_cache_config"),
         "capacity in tokens and concurrency, as vLLM logs it",
+    ),
+    VllmHelper(
+        "vllm.utils.import_utils:resolve_obj_by_qualname",
+        ("qualname",),
+        "the builder class a platform names (vLLM 0.33's builder hook)",
     ),
     VllmHelper(
         "vllm.multimodal.gpu_ipc_memory:reserve_mm_ipc_gpu_memory",
@@ -120,15 +161,57 @@ VLLM_HELPERS: tuple[VllmHelper, ...] = (
     ),
 )
 
+#: vLLM series vllm-kvmem runs on, and the one series a helper table entry or
+#: a patch record must name to be used there.
+SERIES: tuple[str, ...] = ("0.32", "0.33")
+
+
+def series_of(version: str) -> str | None:
+    """``0.33`` for ``0.33.1``; None for a series vllm-kvmem does not run on."""
+    return next((s for s in SERIES if version.startswith(f"{s}.")), None)
+
+
+def vllm_series() -> str:
+    """The running vLLM's series (one of :data:`SERIES`)."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    found = series_of(version)
+    if found is None:
+        raise RuntimeError(f"vllm-kvmem does not run on vLLM {version}")
+    return found
+
+
+def helper(name: str, series: str) -> VllmHelper:
+    """The table entry for ``name`` on ``series``."""
+    return next(h for h in VLLM_HELPERS if h.name == name and series in h.versions)
+
+
 _checked: dict[str, Callable[..., Any]] = {}
 
 
 def _vllm(name: str) -> Callable[..., Any]:
     """The vLLM function ``name`` from :data:`VLLM_HELPERS`, checked once."""
     if name not in _checked:
-        helper = next(h for h in VLLM_HELPERS if h.name == name)
-        _checked[name] = helper.check_signature()
+        _checked[name] = helper(name, vllm_series()).check_signature()
     return _checked[name]
+
+
+def plans_through_builder() -> bool:
+    """vLLM 0.33 and later plan through a ``KVCacheConfigBuilder``."""
+    return vllm_series() != "0.32"
+
+
+def platform_builder(vllm_config: Any) -> Any:
+    """The ``KVCacheConfigBuilder`` vLLM 0.33's platform selects for this
+    config, never vllm-kvmem's (which wraps it): the one source of the
+    arithmetic, as in vLLM's own planner."""
+    from vllm.platforms import current_platform
+
+    hook = type(current_platform).get_kv_cache_config_builder_cls.__func__
+    own = getattr(hook, "__kvmem_original__", hook)
+    qualname = own(type(current_platform), vllm_config)
+    return _vllm("resolve_obj_by_qualname")(qualname)()
 
 
 # ---------------------------------------------------------------- stages
@@ -169,6 +252,10 @@ def worker_groups(vllm_config: Any, kv_cache_specs: Sequence[dict[str, Any]]) ->
     functions on a copy of the specs, so that bytes per block and the bytes one
     max_model_len sequence needs are vLLM's numbers, hybrid models included.
     """
+    project = _vllm("_project_kv_cache_groups_to_worker")
+    if plans_through_builder():
+        groups = _vllm("get_global_kv_cache_groups")(vllm_config, list(kv_cache_specs))
+        return [project(groups, w) for w in kv_cache_specs]
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     merged: dict[str, Any] = {}
@@ -180,22 +267,34 @@ def worker_groups(vllm_config: Any, kv_cache_specs: Sequence[dict[str, Any]]) ->
         if isinstance(spec, SlidingWindowSpec):
             merged[name] = replace(spec, extra_retained_tokens=extra)
     groups = _vllm("get_kv_cache_groups")(vllm_config, merged)
-    project = _vllm("_project_kv_cache_groups_to_worker")
     return [project(groups, w) for w in kv_cache_specs]
 
 
 def bytes_per_block(vllm_config: Any, groups: Sequence[Any]) -> int:
     """Device bytes one block takes on a worker (all its layers)."""
+    if plans_through_builder():
+        builder = platform_builder(vllm_config)
+        return _vllm("_pool_bytes_per_block_from_builder")(
+            builder, vllm_config, list(groups)
+        )
     return _vllm("_pool_bytes_per_block")(vllm_config, list(groups))
 
 
 def sequence_bytes(vllm_config: Any, groups: Sequence[Any]) -> int:
     """Bytes one max_model_len sequence needs on a worker (no null block)."""
-    return _vllm("_max_memory_usage_bytes_from_groups")(vllm_config, list(groups))
+    usage = _vllm("_max_memory_usage_bytes_from_groups")
+    if plans_through_builder():
+        return usage(platform_builder(vllm_config), vllm_config, list(groups))
+    return usage(vllm_config, list(groups))
 
 
 def config_for_blocks(vllm_config: Any, groups: Sequence[Any], blocks: int) -> Any:
     """The ``KVCacheConfig`` vLLM builds for ``blocks`` blocks of ``groups``."""
+    if plans_through_builder():
+        builder = platform_builder(vllm_config)
+        return builder.get_kv_cache_config_from_groups(
+            vllm_config, list(groups), blocks
+        )
     memory = blocks * bytes_per_block(vllm_config, groups)
     return _vllm("get_kv_cache_config_from_groups")(vllm_config, list(groups), memory)
 

@@ -64,6 +64,33 @@ class SourceTree:
         Raises ``LookupError`` naming what is missing. A dataclass's
         generated ``__init__`` is ``self`` and its fields, in order (inherited
         fields first, where the base class is in the same module)."""
+        func, tree, owner = self._lookup(target)
+        if func is not None:
+            return _arg_names(func.args)
+        if owner is not None and _is_dataclass(owner):
+            return ("self", *_fields(tree, owner))
+        raise LookupError(f"{target}: no function {target.rsplit('.', 1)[-1]}")
+
+    def calls(self, target: str) -> dict[str, list[int]]:
+        """What the function ``target`` calls: each callee as written
+        (``builder.get_kv_cache_config_from_groups``), with the number of
+        arguments of each call. A planning flow's shape, read from source."""
+        func, _tree, _owner = self._lookup(target)
+        if func is None:
+            raise LookupError(f"{target}: no function")
+        out: dict[str, list[int]] = {}
+        for node in ast.walk(func):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                out.setdefault(name, []).append(len(node.args) + len(node.keywords))
+        return out
+
+    def _lookup(
+        self, target: str
+    ) -> tuple[ast.FunctionDef | None, ast.Module, ast.ClassDef | None]:
+        """``(function or None, module, owning class or None)``; raises
+        ``LookupError`` for a missing module or class, or a missing function
+        that is not a dataclass's generated ``__init__``."""
         mod_name, attr = target.split(":", 1)
         tree = self.module(mod_name)
         if tree is None:
@@ -77,9 +104,9 @@ class SourceTree:
             body = owner.body
         func = _find(body, name, ast.FunctionDef)
         if func is not None:
-            return _arg_names(func.args)
+            return func, tree, owner  # type: ignore[return-value]
         if name == "__init__" and owner is not None and _is_dataclass(owner):
-            return ("self", *_fields(tree, owner))
+            return None, tree, owner
         raise LookupError(f"{target}: no function {name}")
 
 

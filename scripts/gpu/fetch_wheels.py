@@ -71,7 +71,23 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 MIB = 1024**2
 GIB = 1024**3
+#: vLLM releases the recipe can carry, each with the torch its CUDA wheel pins
+#: (vLLM 0.33.0 needs torch 2.14.0: a separate, larger carry).
+VLLM_RELEASES = {"0.32.0": "2.13.0", "0.33.0": "2.14.0"}
+DEFAULT_VLLM = "0.32.0"
 TARGETS = ("vllm==0.32.0", "torch==2.13.0")
+
+
+def targets_for(vllm_version: str) -> tuple[str, str]:
+    """``vllm==X`` and the ``torch==Y`` its CUDA wheel pins."""
+    return (f"vllm=={vllm_version}", f"torch=={VLLM_RELEASES[vllm_version]}")
+
+
+def default_out(vllm_version: str) -> Path:
+    """Where a release's wheels go: ``.gpu-wheels`` for 0.32.0 (the recipe's
+    default), ``.gpu-wheels-<version>`` for another (both git-ignored)."""
+    suffix = "" if vllm_version == DEFAULT_VLLM else f"-{vllm_version}"
+    return ROOT / f".gpu-wheels{suffix}"
 MACHINE_LIST = HERE / "gpu_machine_packages.txt"
 
 # -- the machine's packages ---------------------------------------------------
@@ -796,12 +812,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=MACHINE_LIST,
         help="the GPU machine's packages (this folder's list, or a pip freeze)",
     )
-    p.add_argument("--out", type=Path, default=ROOT / ".gpu-wheels")
+    p.add_argument(
+        "--vllm",
+        choices=sorted(VLLM_RELEASES),
+        default=DEFAULT_VLLM,
+        help="the vLLM release to carry (with the torch its wheel pins)",
+    )
+    p.add_argument(
+        "--out", type=Path, help="default: .gpu-wheels (0.32.0), .gpu-wheels-VERSION"
+    )
     p.add_argument(
         "--report-dir",
         type=Path,
-        default=HERE,
-        help="where size_report.md/.json go (default: this folder)",
+        help="where size_report.md/.json go (default: this folder for 0.32.0, "
+        "this folder's vllm-VERSION/ for another release)",
     )
     p.add_argument(
         "--plan",
@@ -821,7 +845,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="use OUT/resolution.json from an earlier run instead of resolving",
     )
     p.add_argument("--note", action="append", default=[], help="add to the report")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = args.out or default_out(args.vllm)
+    if args.report_dir is None:
+        same = args.vllm == DEFAULT_VLLM
+        args.report_dir = HERE if same else HERE / f"vllm-{args.vllm}"
+    return args
 
 
 def pip_version(python: str) -> str:
@@ -840,11 +869,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     python = find_python312(args.python)
     args.out.mkdir(parents=True, exist_ok=True)
     machine = parse_machine_packages(args.machine_packages.read_text())
+    targets = targets_for(args.vllm)
     if args.reuse_resolution and (args.out / "resolution.json").is_file():
         report = json.loads((args.out / "resolution.json").read_text())
     else:
-        report = resolve(python, TARGETS, args.out)
-    tree = requirement_tree(report, TARGETS)
+        report = resolve(python, targets, args.out)
+    tree = requirement_tree(report, targets)
+    if args.vllm != DEFAULT_VLLM:
+        args.note.append(
+            f"The ABI files (abi_*.json) were measured for vLLM {DEFAULT_VLLM} and "
+            f"torch {VLLM_RELEASES[DEFAULT_VLLM]}; the lean and core plans for vLLM "
+            f"{args.vllm} (torch {VLLM_RELEASES[args.vllm]}) rely on them until "
+            "abi_check.py is run for this release's wheels."
+        )
     abi_carry = abi_must_carry()
     rows_by_plan = {plan: plan_diff(tree, machine, plan, abi_carry) for plan in PLANS}
     sizes: dict[str, int] = {}
@@ -856,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = {name: path.stat().st_size for name, path in files.items()}
     meta = {
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "targets": list(TARGETS),
+        "targets": list(targets),
         "resolver_python": report["environment"]["python_full_version"],
         "pip_version": pip_version(python),
         "machine_list": _rel(args.machine_packages),

@@ -15,15 +15,20 @@
 #   stage2_logs.tar.gz    each engine's output
 #
 # Usage (repository root):
-#   bash scripts/gpu/stage2.sh [--plan core|torch211] [--items abcde]
+#   bash scripts/gpu/stage2.sh [--vllm 0.32.0|0.33.0] [--plan core|torch211] [--items abcde]
 #   bash scripts/gpu/stage2.sh --dry-run     # anywhere: plan and checks only
+#
+# --vllm picks the release: its pieces come from .gpu-wheels (0.32.0) or
+# .gpu-wheels-VERSION (fetch_wheels.py --vllm VERSION; 0.33.0 carries torch
+# 2.14.0), and install into their own .gpu-site(-VERSION).
 set -u
 cd "$(dirname "$0")/../.."
 
-DRY=0 PLAN=core ITEMS=abcde PARTIAL=
+DRY=0 PLAN=core ITEMS=abcde PARTIAL= VLLM=0.32.0
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY=1 ;;
+        --vllm) VLLM=$2; shift ;;
         --plan) PLAN=$2; shift ;;
         --items) ITEMS=$2; shift ;;
         *) echo "unknown argument $1"; exit 2 ;;
@@ -33,11 +38,16 @@ done
 # torch211: vLLM on the machine's own torch 2.11; its wheels come first in
 # the stream, so they install from the pieces that have arrived.
 [ "$PLAN" = torch211 ] && PARTIAL=--partial
+case $VLLM in
+    0.32.0) SUFFIX= ;;
+    0.33.0) SUFFIX=-$VLLM ;;
+    *) echo "--vllm $VLLM: the recipe carries 0.32.0 or 0.33.0"; exit 2 ;;
+esac
 . scripts/gpu/out_and_python.sh
-SITE=$PWD/.gpu-site
-PIECES=.gpu-wheels/core
+SITE=$PWD/.gpu-site$SUFFIX
+PIECES=.gpu-wheels$SUFFIX/core
 exec > >(tee -a "$OUT/stage2.log") 2>&1
-echo "stage 2 $( [ "$DRY" = 1 ] && echo DRY RUN ) plan $PLAN items $ITEMS at $(date -u +%FT%TZ)"
+echo "stage 2 $( [ "$DRY" = 1 ] && echo DRY RUN ) vLLM $VLLM plan $PLAN items $ITEMS at $(date -u +%FT%TZ)"
 
 if [ "$DRY" = 1 ]; then
     "$PY" scripts/gpu/install_pieces.py --help >/dev/null && echo "install_pieces.py: ok"
@@ -92,6 +102,8 @@ libs = sorted({line.split()[-1] for line in open("/proc/self/maps")
 print("loaded CUDA libraries:", *libs, sep="\n  ")
 EOF
 cat "$OUT/stage2_probe.txt"
+grep -q "^vllm $VLLM " "$OUT/stage2_probe.txt" \
+    || { echo "stage 2 asked for vLLM $VLLM; the probe above found another"; exit 1; }
 
 "$PY" scripts/gpu/stage2.py --items "$ITEMS" --out "$OUT"
 RC=$?

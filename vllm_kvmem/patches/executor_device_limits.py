@@ -11,9 +11,15 @@ def _make(original):
         from vllm_kvmem.kv_budget import uses_device_limits
 
         if uses_device_limits(self.vllm_config):
+            from vllm_kvmem import kv_builder
             from vllm_kvmem.device_limits import collect_from_workers
 
             collect_from_workers(self)
+            if kv_builder.vllm_has_builders():
+                from vllm_kvmem.kv_budget import stash_plan
+
+                kv_builder.check_selected(self.vllm_config)
+                stash_plan(self.vllm_config, self.get_kv_cache_specs(), limits)
         return limits
 
     return determine_available_memory
@@ -36,7 +42,11 @@ PATCH = Patch(
     "(`--enable-pp-prop-kv-cache` or `--kv-cache-tokens`), asks every worker "
     "(`collective_rpc`) for the components it measured and keeps them in the "
     "engine core's `additional_config['kvmem_runtime']` for the planner's "
-    "error messages. The integers vLLM uses are unchanged.",
+    "error messages. On vLLM 0.33, whose planner takes its block counts from a "
+    "`KVCacheConfigBuilder`, then plans the budget there from every worker's "
+    "KV specs and these limits (`kv_budget.stash_plan`: the same shares, "
+    "checks and errors as 0.32's planner patch) for vllm-kvmem's builder. "
+    "The integers vLLM uses are unchanged.",
     upstream="None: part of the seed 000 feature.",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
     idle="Returns vLLM's own figures; asks the workers nothing.",
