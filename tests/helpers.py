@@ -64,15 +64,31 @@ def run_probe(code: str, timeout: float = ENGINE_TIMEOUT_S, **env: str) -> dict:
     return json.loads(lines[-1].removeprefix("REPORT "))
 
 
+#: Engine runs of this session by their arguments: a run is deterministic
+#: (greedy, fixed model files), so tests that need the same engine with the
+#: same workload share one start (each PP=2 start costs about a minute here).
+_RUNS: dict[str, EngineRun] = {}
+
+
 def run_engine(
     llm_kwargs: dict[str, Any], workload: dict[str, Any] | None = None, **env: str
 ) -> EngineRun:
-    """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank.
+    """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank;
+    a run with the same arguments earlier in the session is reused.
 
     ``workload``: ``prompts``, ``max_tokens``, ``rounds`` and ``sequential`` for
     ``vllm_kvmem.demo_engine.run``. The engine starts in the repository root,
     so ``tests.*`` modules (the example connector) import there.
     """
+    key = json.dumps([llm_kwargs, workload or {}, env], sort_keys=True)
+    if key not in _RUNS:
+        _RUNS[key] = _start_engine(llm_kwargs, workload, **env)
+    return _RUNS[key]
+
+
+def _start_engine(
+    llm_kwargs: dict[str, Any], workload: dict[str, Any] | None, **env: str
+) -> EngineRun:
     code, log, report = run_subprocess(
         llm_kwargs,
         workload,

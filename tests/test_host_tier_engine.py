@@ -38,10 +38,19 @@ def _check_identical_and_hits(off, on):
 
 @pytest.mark.parametrize("multiprocess", ["0", "1"])
 def test_single_stage_output_identical_with_host_hits(model_8l, multiprocess):
-    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess)
+    """Against one baseline without the tier (in-process engine): the output
+    of one engine does not depend on where its core runs."""
     work = host_tier_workload()
-    off = run_engine(host_tier_kwargs(model_8l, False, enforce_eager=True), work, **env)
-    on = run_engine(host_tier_kwargs(model_8l, True, enforce_eager=True), work, **env)
+    off = run_engine(
+        host_tier_kwargs(model_8l, False, enforce_eager=True),
+        work,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    on = run_engine(
+        host_tier_kwargs(model_8l, True, enforce_eager=True),
+        work,
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess,
+    )
     _check_identical_and_hits(off, on)
 
 

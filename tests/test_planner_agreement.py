@@ -62,8 +62,9 @@ def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, bat
 PIPELINE = [
     # (partition, budget bytes, budget tokens, proportional); the per-GPU
     # budget (no flag) is checked in test_pp_prop_engine, on the same engine
-    # run that is compared with unpatched vLLM.
-    ("5,3", 48 * MiB, None, True),
+    # run that is compared with unpatched vLLM. The first case is the engine
+    # test_pp_prop_engine's uneven split starts (one run serves both).
+    ("6,2", 64 * MiB, None, True),
     ("6,2", None, 20_000, True),
 ]
 
@@ -75,12 +76,12 @@ def test_pipeline_of_two(model_8l, partition, nbytes, ntokens, prop):
         pipeline_parallel_size=2,
         max_model_len=512,
         compilation_config=PP_COMPILATION,
-        enable_pp_prop_kv_cache=prop,
     )
     if nbytes:
         kwargs["kv_cache_memory_bytes"] = nbytes
     else:
         kwargs["kv_cache_tokens"] = ntokens
+    kwargs["enable_pp_prop_kv_cache"] = prop
     run = run_engine(kwargs, VLLM_PP_LAYER_PARTITION=partition)
     cap = plan_capacity(
         model_8l,
