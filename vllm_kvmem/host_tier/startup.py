@@ -4,6 +4,7 @@ core and every worker, on the same configs) and whether a model can use it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.logger import init_logger
@@ -59,6 +60,7 @@ def add_connector_config(engine_args: Any) -> None:
             f"{SIZE_FLAG} {size:,} keeps blocks evicted from the prefix cache, so it "
             f"needs prefix caching: drop --no-enable-prefix-caching."
         )
+    _check_executor(engine_args, size)
     _check_host_memory(engine_args, size)
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
@@ -70,41 +72,135 @@ def add_connector_config(engine_args: Any) -> None:
     )
 
 
+def _check_executor(engine_args: Any, size: int) -> None:
+    """Refuse vLLM 0.32's legacy Ray executor with a pipeline: it collects
+    outputs (connector outputs included) from the last stage's workers only
+    (``RayDistributedExecutor._compiled_ray_dag``: the compiled graph's
+    outputs are the last stage's; earlier stages hand on their intermediate
+    tensors), so the loads earlier stages finish would never be reported and
+    their requests would wait forever. vLLM's default Ray executor
+    (``RayExecutorV2``, the only one in 0.33) and the multiprocessing one
+    collect every worker's output."""
+    import importlib.util
+
+    from vllm import envs
+
+    pp = int(engine_args.pipeline_parallel_size or 1)
+    if (
+        pp > 1
+        and engine_args.distributed_executor_backend == "ray"
+        and not envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND
+        and importlib.util.find_spec("vllm.v1.executor.ray_executor") is not None
+    ):
+        raise ValueError(
+            f"{SIZE_FLAG} {size:,} with --pipeline-parallel-size {pp} cannot run "
+            f"on vLLM's legacy Ray executor (VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0): "
+            f"it returns only the last pipeline stage's connector output, so host "
+            f"loads finished by earlier stages would never complete. Unset "
+            f"VLLM_USE_RAY_V2_EXECUTOR_BACKEND (vLLM's default Ray executor) or "
+            f"use --distributed-executor-backend mp."
+        )
+
+
 #: Share of the host memory available at startup that the tier may pin on a
 #: node. Pinned pages cannot be swapped out, so the rest stays for the OS, the
 #: API server, the engine processes and the page cache.
 HOST_MEMORY_FRACTION = 0.8
 
 
-def _pools_per_node(engine_args: Any) -> tuple[int, int]:
-    """``(tp, dp_local)``: every tensor-parallel rank of every data-parallel
-    rank on this node pins its own pool of the full size (pipeline stages
-    share one size between them)."""
+@dataclass(frozen=True)
+class NodePools:
+    """The host tier's pools on this node: one per tensor-parallel rank of
+    each data-parallel rank here, each of the full size at most (a pipeline's
+    stages share one size between them)."""
+
+    tp: int
+    """Tensor-parallel ranks of one DP rank on this node."""
+    dp: int
+    """DP ranks (engines) with workers on this node."""
+    node_rank: int = 0
+    nnodes: int = 1
+    ranks_here: int = 0
+    """Workers of one DP rank on this node (multi-node launcher only)."""
+    ranks_per_dp: int = 0
+
+    @property
+    def pools(self) -> int:
+        return self.tp * self.dp
+
+    def where(self) -> str:
+        """``this node`` and, across nodes, which one and what it holds."""
+        if self.nnodes == 1:
+            return "this node"
+        return (
+            f"this node (--node-rank {self.node_rank} of --nnodes {self.nnodes}, "
+            f"with {self.ranks_here}/{self.ranks_per_dp} of each DP rank's workers)"
+        )
+
+
+def _pools_per_node(engine_args: Any) -> NodePools:
+    """Count only the ranks that run on this node.
+
+    One node (``--nnodes 1``, also every Ray or external-launcher run): every
+    TP rank of every local DP rank. vLLM's multi-node launcher (``--nnodes N
+    --node-rank R``) gives each node a contiguous block of global ranks, TP
+    innermost: a DP rank spanning several nodes leaves ``world / nodes`` of its
+    workers here, and at most ``tp`` of them are distinct TP ranks (each holds
+    one pool; its other stages here share that pool's size). The local DP
+    count is inferred as vLLM infers it; ``data_parallel_size_local`` is still
+    unset when this runs (before the VllmConfig is built).
+    """
     tp = max(1, int(engine_args.tensor_parallel_size or 1))
-    if (
+    dp = max(1, int(engine_args.data_parallel_size or 1))
+    world_per_dp = (
+        tp
+        * max(1, int(engine_args.pipeline_parallel_size or 1))
+        * max(1, int(getattr(engine_args, "prefill_context_parallel_size", 1) or 1))
+    )
+    nnodes = max(1, int(getattr(engine_args, "nnodes", 1) or 1))
+    external = (
         engine_args.data_parallel_external_lb
         or engine_args.data_parallel_rank is not None
-    ):
+    )
+    if external:
         dp_local = 1  # external load balancing: this process is one DP rank
+    elif engine_args.data_parallel_size_local:
+        dp_local = int(engine_args.data_parallel_size_local)
+    elif nnodes > 1:  # vLLM's inference (EngineArgs.create_engine_config)
+        dp_local = max(dp * world_per_dp // nnodes // world_per_dp, 1)
     else:
-        dp_local = (
-            engine_args.data_parallel_size_local or engine_args.data_parallel_size
-        )
-    return tp, max(1, int(dp_local or 1))
+        dp_local = dp
+    dp_local = max(1, dp_local)
+    if nnodes == 1:
+        return NodePools(tp=tp, dp=dp_local)
+    # ParallelConfig.nnodes_within_dp: how many nodes one DP rank spans.
+    nodes_per_dp = max(nnodes // max(dp // dp_local, 1), 1)
+    ranks_here = max(world_per_dp // nodes_per_dp, 1)
+    return NodePools(
+        tp=min(tp, ranks_here),
+        dp=dp_local,
+        node_rank=int(getattr(engine_args, "node_rank", 0) or 0),
+        nnodes=nnodes,
+        ranks_here=ranks_here,
+        ranks_per_dp=world_per_dp,
+    )
 
 
 def _check_host_memory(engine_args: Any, size: int) -> None:
-    """Refuse a size whose node-wide pinned total would not leave headroom."""
+    """Refuse a size whose pinned total on this node would not leave headroom.
+
+    Runs wherever vLLM builds the engine config: the API server or ``LLM``
+    process, and every headless node of the multi-node launcher, each against
+    its own host memory."""
     import psutil
 
-    tp, dp_local = _pools_per_node(engine_args)
-    pools = tp * dp_local
-    total = size * pools
+    here = _pools_per_node(engine_args)
+    total = size * here.pools
     available = psutil.virtual_memory().available
     limit = int(available * HOST_MEMORY_FRACTION)
     how = (
-        f"{gib(size)} GiB x {tp} TP x {dp_local} DP-local = "
-        f"{gib(total)} GiB on this node, limit {HOST_MEMORY_FRACTION:.0%} of "
+        f"{gib(size)} GiB x {here.tp} TP x {here.dp} DP-local = "
+        f"{gib(total)} GiB on {here.where()}, limit {HOST_MEMORY_FRACTION:.0%} of "
         f"the {gib(available)} GiB of host memory available = "
         f"{gib(limit)} GiB"
     )
@@ -113,7 +209,7 @@ def _check_host_memory(engine_args: Any, size: int) -> None:
             f"{SIZE_FLAG} {size:,} bytes does not fit this node: every "
             f"tensor-parallel rank of every local data-parallel rank holds its own "
             f"pool, pinned on CUDA so it cannot be swapped ({how}). Use "
-            f"{SIZE_FLAG} {(limit // pools) // MiB}M or less."
+            f"{SIZE_FLAG} {(limit // here.pools) // MiB}M or less."
         )
     logger.info("Host KV tier memory check: %s.", how)
 
