@@ -19,6 +19,12 @@ def _patches(args: argparse.Namespace) -> int:
     return 0
 
 
+def _upstream(args: argparse.Namespace) -> int:
+    from vllm_kvmem.upstream.series import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_kvmem import demo, planner, tiny_model
 
@@ -48,6 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("patches", help="list the vLLM patches vllm-kvmem applies")
     p.add_argument("--markdown", action="store_true", help="print docs/patches.md")
     p.set_defaults(func=_patches)
+    p = sub.add_parser(
+        "upstream",
+        help="write vllm-kvmem as a git format-patch series for vLLM's own tree",
+    )
+    p.add_argument(
+        "--vllm-src",
+        help="vLLM source tree (a checkout, a folder holding vllm/, or a wheel); "
+        "default: the installed vLLM package's sources",
+    )
+    p.add_argument("--out", default="upstream-series", help="output folder")
+    p.set_defaults(func=_upstream)
     return parser
 
 

@@ -155,8 +155,10 @@ class KVMemConfig(BaseModel):
         Every patch that runs in a process asks for them; a mapping with the
         same items is validated only the first time (errors are not cached).
         """
-        additional = getattr(vllm_config, "additional_config", None) or {}
-        raw = additional.get(ADDITIONAL_CONFIG_KEY)
+        raw = _in_tree_options(vllm_config)
+        if raw is None:
+            additional = getattr(vllm_config, "additional_config", None) or {}
+            raw = additional.get(ADDITIONAL_CONFIG_KEY)
         if not isinstance(raw, dict):
             return cls.parse(raw)
         try:
@@ -166,6 +168,17 @@ class KVMemConfig(BaseModel):
             return _parse_items(key)
         except TypeError:  # an unhashable value: parse() says what is wrong
             return cls.parse(raw)
+
+
+def _in_tree_options(vllm_config: Any) -> dict[str, Any] | None:
+    """In vLLM's tree (``kvmem upstream``) the options are ``CacheConfig``
+    fields, mirrored on ``EngineArgs``: read them there. None under the plugin,
+    where neither has them and they ride in ``additional_config``."""
+    source = getattr(vllm_config, "cache_config", vllm_config)
+    names = KVMemConfig.option_names()
+    if not hasattr(source, names[0]):
+        return None
+    return {n: v for n in names if (v := getattr(source, n, None)) is not None}
 
 
 @functools.lru_cache(maxsize=64)
