@@ -149,8 +149,9 @@ def test_host_tier_smaller_than_one_steps_evictions(model_8l):
     no_tier = host_tier_kwargs(model_8l, False, enforce_eager=True)
     small = dict(no_tier, kv_host_cache_bytes=3 << 20)
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    off = run_engine(no_tier, host_tier_workload(6), **env)
-    on = run_engine(small, host_tier_workload(6), **env)
+    # The single-stage tests' baseline (same engine, same workload).
+    off = run_engine(no_tier, host_tier_workload(), **env)
+    on = run_engine(small, host_tier_workload(), **env)
     assert on.returncode == 0, on.log[-4000:]
     assert on.report["token_ids"] == off.report["token_ids"]
     assert "Host KV tier: 3 blocks" in on.log

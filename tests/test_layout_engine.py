@@ -36,7 +36,7 @@ OPTED_IN = {
 }
 
 
-def _run(model, block_size, connector=None, **env):
+def _run(model, block_size, connector=None, multiprocess="0"):
     return run_engine(
         dict(
             model=str(model),
@@ -48,15 +48,16 @@ def _run(model, block_size, connector=None, **env):
             kv_transfer_config=connector,
         ),
         WORKLOAD,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        **env,
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess,
     )
 
 
 @pytest.mark.parametrize("block_size", [32, 128])
 def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size):
+    """The opted-in engine runs its core in its own process (the layout is
+    decided there and adopted by the worker); the baseline in-process."""
     base = _run(model_8l, block_size)
-    contiguous = _run(model_8l, block_size, OPTED_IN)
+    contiguous = _run(model_8l, block_size, OPTED_IN, multiprocess="1")
     assert base.returncode == 0, base.log[-4000:]
     assert contiguous.returncode == 0, contiguous.log[-4000:]
     (b,), (c,) = base.ranks, contiguous.ranks
@@ -72,16 +73,9 @@ def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size):
 
 
 def test_opted_in_connector_gets_the_contiguous_layout(model_8l):
-    run = run_engine(
-        dict(
-            model=str(model_8l),
-            kv_cache_memory_bytes=32 << 20,
-            max_model_len=1024,
-            enforce_eager=True,
-            kv_transfer_config=OPTED_IN,
-        ),
-        {"prompts": _prompts()[:1], "max_tokens": 4},
-    )
+    """The engine core (its own process) picks BLHNC for a connector that opts
+    in, says so, and the worker allocates it (same run as above)."""
+    run = _run(model_8l, 128, OPTED_IN, multiprocess="1")
     assert run.returncode == 0, run.log[-4000:]
     (r,) = run.ranks
     assert r["layout"] == "BLHNC"
