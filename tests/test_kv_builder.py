@@ -5,8 +5,11 @@ STAND-IN written for this test: vLLM 0.33's engine-core KV planning
 (``Core._initialize_kv_caches`` and ``kv_cache_planning.get_kv_cache_configs``)
 reproduced step by step on vLLM 0.32's own functions, with 0.33's
 ``DefaultKVCacheConfigBuilder`` likewise rebuilt on them, and 0.33's platform
-hook added to 0.32's ``Platform``. Everything of vllm-kvmem's is real: the
-hook patch is applied with the registry, the executor patches run their
+hook added to 0.32's ``Platform``; vLLM reports version 0.33.0 meanwhile, so
+vllm-kvmem's adapter takes its 0.33 routes into a stand-in
+``kv_cache_planning`` module (:data:`PLANNING_033`, checked against the
+parameters the adapter expects on 0.33). Everything of vllm-kvmem's is real:
+the hook patch is applied with the registry, the executor patches run their
 replacement functions, the builder is the one vLLM would instantiate.
 ``tests/test_vllm_versions.py`` checks, in 0.33.0's wheel, that the flow
 still makes the calls this stand-in makes (:data:`STANDIN_CALLS`).
@@ -17,11 +20,15 @@ configs, the same refusals, the same startup table.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+import types
 from functools import partial
 from types import SimpleNamespace
 
 import pytest
+import vllm
 from vllm.platforms import current_platform
 from vllm.platforms.interface import Platform
 from vllm.v1.core import kv_cache_utils as ku
@@ -31,6 +38,7 @@ from tests.helpers import captured_log, messages
 from tests.helpers import planner_config as _config
 from tests.helpers import worker_specs as _specs
 from vllm_kvmem import kv_builder
+from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.patches import ALL_PATCHES, _registry
 
 pytestmark = pytest.mark.usefixtures("vllm_patched")
@@ -73,9 +81,10 @@ class VendorBuilder(DefaultBuilder033):
     """A platform's own builder (as vllm-ascend ships one)."""
 
 
-def _pool_bytes_per_block_from_builder(builder, vllm_config, groups):
+def _pool_bytes_per_block_from_builder(builder, vllm_config, kv_cache_groups):
     """0.33's function of that name (stand-in): the builder's figure, else a
     one-block probe with the override suppressed."""
+    groups = kv_cache_groups
     if not groups:
         return 0
     pool = builder._get_pool_bytes_per_block(vllm_config, groups)
@@ -142,26 +151,66 @@ def _patch_replacement(name):
     return record.make_replacement
 
 
+def _get_global_kv_cache_groups(vllm_config, kv_cache_specs):
+    """0.33's ``get_global_kv_cache_groups`` (stand-in): every worker's specs
+    merged, grouped by the builder the platform hook names."""
+    merged = {n: s for w in kv_cache_specs for n, s in w.items()}
+    builder = _get_kv_cache_builder(vllm_config)
+    return builder.get_kv_cache_groups(vllm_config, merged)
+
+
+def _max_memory_usage_bytes_from_groups(builder, vllm_config, kv_cache_groups):
+    """0.33's signature (the builder first), 0.32's arithmetic (stand-in)."""
+    return ku._max_memory_usage_bytes_from_groups(vllm_config, kv_cache_groups)
+
+
+#: A stand-in of 0.33's ``vllm.v1.core.kv_cache_planning`` with what
+#: vllm-kvmem's adapter calls there (``vllm_adapter.VLLM_HELPERS``, 0.33).
+PLANNING_033 = {
+    "get_global_kv_cache_groups": _get_global_kv_cache_groups,
+    "_project_kv_cache_groups_to_worker": ku._project_kv_cache_groups_to_worker,
+    "_pool_bytes_per_block_from_builder": _pool_bytes_per_block_from_builder,
+    "_max_memory_usage_bytes_from_groups": _max_memory_usage_bytes_from_groups,
+}
+
+
+@contextlib.contextmanager
+def vllm_033():
+    """vLLM reports 0.33.0 and has the stand-in planning module, so that
+    vllm-kvmem's adapter takes its 0.33 routes (through the platform's
+    builder) with the helper signatures it checks for 0.33."""
+    module = types.ModuleType("vllm.v1.core.kv_cache_planning")
+    for name, func in PLANNING_033.items():
+        setattr(module, name, func)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, module.__name__, module)
+        mp.setattr(vllm, "__version__", "0.33.0")
+        mp.setattr(va, "_checked", {})
+        assert va.plans_through_builder()
+        yield
+
+
 def engine_core_033(vllm_config, specs, limits):
     """0.33's ``Core._initialize_kv_caches`` around the planner, with
     vllm-kvmem's executor patches (their real replacement functions) on a
-    stand-in executor that has these workers' specs and limits."""
+    stand-in executor that has these workers' specs and limits, and the
+    adapter on its 0.33 routes."""
     executor = SimpleNamespace(
         vllm_config=vllm_config,
         collective_rpc=lambda method: [None] * len(specs),
         get_kv_cache_specs=lambda: specs,
     )
-    merged = {n: s for w in specs for n, s in w.items()}
-    global_groups = _get_kv_cache_builder(vllm_config).get_kv_cache_groups(
-        vllm_config, merged
-    )
-    available = _patch_replacement("executor_device_limits")(lambda self: limits)(
-        executor
-    )
-    configs = _get_kv_cache_configs_033(vllm_config, specs, available, global_groups)
-    _patch_replacement("executor_kv_cache_init")(lambda self, c: None)(
-        executor, configs
-    )
+    with vllm_033():
+        global_groups = _get_global_kv_cache_groups(vllm_config, specs)
+        available = _patch_replacement("executor_device_limits")(lambda self: limits)(
+            executor
+        )
+        configs = _get_kv_cache_configs_033(
+            vllm_config, specs, available, global_groups
+        )
+        _patch_replacement("executor_kv_cache_init")(lambda self, c: None)(
+            executor, configs
+        )
     return configs
 
 
