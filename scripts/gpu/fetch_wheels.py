@@ -88,6 +88,8 @@ def default_out(vllm_version: str) -> Path:
     default), ``.gpu-wheels-<version>`` for another (both git-ignored)."""
     suffix = "" if vllm_version == DEFAULT_VLLM else f"-{vllm_version}"
     return ROOT / f".gpu-wheels{suffix}"
+
+
 MACHINE_LIST = HERE / "gpu_machine_packages.txt"
 
 # -- the machine's packages ---------------------------------------------------
