@@ -288,7 +288,8 @@ def head_main(kwargs: dict[str, Any], workload: dict[str, Any]) -> int:
         cached.append([o.num_cached_tokens or 0 for o in outputs])
     report = {
         "ranks": collect(llm),
-        "token_ids": token_ids,
+        # As vllm_kvmem.demo_engine.run reports them (one-node references).
+        "token_ids": token_ids[0] if len(token_ids) == 1 else token_ids,
         "cached_tokens": cached,
         "tier": sorted(llm.collective_rpc(tier_copies), key=lambda r: r["rank"])
         if tier

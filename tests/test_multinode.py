@@ -3,11 +3,22 @@
 Two nodes on one machine (``tests/multinode.py``): the head (``LLM`` with
 ``nnodes=2, node_rank=0``: engine core, stage 0) and a headless node
 (``vllm serve --headless --node-rank 1``: stage 1), each its own process
-group with its own config, talking over 127.0.0.1. Four runs serve every
-engine test, two at a time (their waits on timeouts overlap the others'
-work): the uneven pipeline with ``--enable-pp-prop-kv-cache`` and the host
-tier on two nodes and on one node, ``--kv-cache-tokens`` on two nodes ending
-with node 1 killed, and a head whose node 1 cannot start (no vllm-kvmem).
+group with its own config, talking over 127.0.0.1 only.
+
+Three runs serve every engine test, at the same time (one run keeps about
+one core busy: its processes start one after another; two of them wait on
+a timeout):
+
+- ``pp``: the uneven pipeline of ``test_pp_prop_engine`` (6,2, 64 MiB with
+  ``--enable-pp-prop-kv-cache``) on two nodes; at the end the head kills
+  node 1 and sends one more request;
+- ``tier``: the host tier's pipeline of ``test_host_tier_engine`` (5,3,
+  float32, documents read twice) on two nodes, sized with
+  ``--kv-cache-tokens`` to the 38 blocks that test's 24 MiB gives;
+- ``no_start``: a head whose node 1 cannot start (no vllm-kvmem there).
+
+The one-node references are those tests' own runs (``helpers.run_engine``
+starts each once per session).
 """
 
 from __future__ import annotations
@@ -15,7 +26,6 @@ from __future__ import annotations
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,90 +38,101 @@ from tests.helpers import (
     host_tier_kwargs,
     host_tier_workload,
     messages,
+    run_engine,
 )
 from tests.multinode import PipelineRun, run_pipeline
 from vllm_kvmem.demo_engine import PP_COMPILATION
 
 MiB = 1 << 20
-PARTITION = "6,2"
-TOKENS = 4096
+KiB = 1 << 10
+PP_PARTITION = "6,2"
+PP_BUDGET = 64 * MiB
+TIER_PARTITION = "5,3"
+#: test_host_tier_engine's pipeline: 24 MiB per rank, 640 KiB per block on
+#: stage 0 (5 float32 layers of 128 KiB): 38 blocks, to which vLLM cuts
+#: stage 1 as well. The same 38 blocks from a token budget: 38 x 128.
+TIER_BLOCKS = 38
+TIER_TOKENS = TIER_BLOCKS * 128
 #: The head's step timeout in the run where node 1 dies: vLLM 0.32 notices a
 #: dead node only when a step's reply from it times out.
 STEP_TIMEOUT_S = 15
 #: The head's torch.distributed timeout in the run where node 1 never starts.
 JOIN_TIMEOUT_S = 10
-#: Same thread count on every worker of every run (the node's worker count
-#: changes vLLM's default), so that one-node and two-node numerics match.
-ENV = {"VLLM_PP_LAYER_PARTITION": PARTITION, "OMP_NUM_THREADS": "1"}
 
 
-def _tier_pipeline(model: Path) -> dict:
-    """The host tier's engine test configuration as an uneven pipeline with
-    the pipeline-wide budget: 24 MiB split 6:2 (float32: 128 KiB per layer
-    per block), 24 blocks on both stages, a quarter of the 8 documents'
-    working set."""
-    return host_tier_kwargs(
-        model,
-        True,
+def _pp_kwargs(model) -> dict:
+    """``test_pp_prop_engine.test_uneven_split_via_llm_kwargs``'s engine."""
+    return dict(
+        model=str(model),
         pipeline_parallel_size=2,
+        kv_cache_memory_bytes=PP_BUDGET,
+        max_model_len=512,
         compilation_config=PP_COMPILATION,
         enable_pp_prop_kv_cache=True,
     )
 
 
-def _tokens_pipeline(model: Path, **extra) -> dict:
-    return dict(
-        model=str(model),
-        pipeline_parallel_size=2,
-        kv_cache_tokens=TOKENS,
-        max_model_len=512,
-        compilation_config=PP_COMPILATION,
-        **extra,
+def _tier_kwargs(model, tokens: bool) -> dict:
+    """``test_host_tier_engine``'s pipeline engine; with ``tokens`` its KV
+    cache is sized by ``--kv-cache-tokens`` instead of 24 MiB per rank."""
+    kw = host_tier_kwargs(
+        model, True, pipeline_parallel_size=2, compilation_config=PP_COMPILATION
     )
+    if tokens:
+        del kw["kv_cache_memory_bytes"]
+        kw["kv_cache_tokens"] = TIER_TOKENS
+    return kw
 
 
 @pytest.fixture(scope="module")
 def runs(model_8l, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("multinode")
+    pp_env = {"VLLM_PP_LAYER_PARTITION": PP_PARTITION}
+    tier_env = {"VLLM_PP_LAYER_PARTITION": TIER_PARTITION}
     work = host_tier_workload(8)
-    tier = _tier_pipeline(model_8l)
-    # Node 1 without vllm-kvmem: its parser refuses --kv-cache-tokens.
-    no_kvmem = {"VLLM_PLUGINS": "lora_filesystem_resolver"}
-    step_timeout = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STEP_TIMEOUT_S)}
     jobs = {
-        "two": lambda: run_pipeline(tier, work, root / "two", env=ENV),
-        "one": lambda: run_pipeline(tier, work, root / "one", nnodes=1, env=ENV),
-        "tokens": lambda: run_pipeline(
-            _tokens_pipeline(model_8l),
+        "pp": lambda: run_pipeline(
+            _pp_kwargs(model_8l),
             {},
-            root / "tokens",
+            root / "pp",
             kill_node1=True,
-            env={**ENV, **step_timeout},
+            env={**pp_env, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(STEP_TIMEOUT_S)},
+        ),
+        "tier": lambda: run_pipeline(
+            _tier_kwargs(model_8l, tokens=True), work, root / "tier", env=tier_env
         ),
         "no_start": lambda: run_pipeline(
-            _tokens_pipeline(model_8l, distributed_timeout_seconds=JOIN_TIMEOUT_S),
+            {**_pp_kwargs(model_8l), "distributed_timeout_seconds": JOIN_TIMEOUT_S},
             {},
             root / "no_start",
-            env=ENV,
-            node1_env=no_kvmem,
+            env=pp_env,
+            # Node 1 without vllm-kvmem: its parser refuses the plugin's flag.
+            node1_env={"VLLM_PLUGINS": "lora_filesystem_resolver"},
+        ),
+        "pp_ref": lambda: run_engine(_pp_kwargs(model_8l), **pp_env),
+        "tier_ref": lambda: run_engine(
+            _tier_kwargs(model_8l, tokens=False), work, **tier_env
         ),
     }
-    # Three lanes: one run keeps about one of this machine's two cores busy
-    # (its processes start one after another), and two of them spend a
-    # timeout waiting; the shortest two share a lane.
-    lanes = (("two", "no_start"), ("tokens",), ("one",))
+    # The references are usually there already (or needed by later modules).
+    lanes = (("pp",), ("tier",), ("no_start", "pp_ref", "tier_ref"))
     with ThreadPoolExecutor(len(lanes)) as pool:
         futures = [
             pool.submit(lambda lane=lane: {k: jobs[k]() for k in lane})
             for lane in lanes
         ]
         done = {k: v for f in futures for k, v in f.result().items()}
-    two, one, tokens, no_start = (done[k] for k in ("two", "one", "tokens", "no_start"))
-    return SimpleNamespace(two=two, one=one, tokens=tokens, no_start=no_start)
+    return SimpleNamespace(**done)
 
 
-def _ok(run: PipelineRun) -> dict:
+def _ok(run: PipelineRun | EngineRun) -> dict:
     assert run.returncode == 0 and run.report is not None, run.log[-6000:]
+    return run.report
+
+
+def _pp(run: PipelineRun) -> dict:
+    """The ``pp`` run's report (its exit code is the node-death test's)."""
+    assert run.report is not None, run.log[-6000:]
     return run.report
 
 
@@ -120,20 +141,19 @@ def _ok(run: PipelineRun) -> dict:
 
 @pytest.mark.engine
 def test_each_node_allocates_exactly_its_share(runs):
-    report = _ok(runs.two)
-    ranks = report["ranks"]
+    ranks = _pp(runs.pp)["ranks"]
     assert [r["pp_rank"] for r in ranks] == [0, 1]
     assert [r["layers"] for r in ranks] == [6, 2]
-    # 24 MiB pipeline-wide over 6 + 2 layers of 128 KiB per block: 24 blocks,
-    # 18 MiB on node 0 and 6 MiB on node 1, exactly.
-    assert [r["kv_bytes"] for r in ranks] == [18 * MiB, 6 * MiB]
-    assert [r["num_blocks"] for r in ranks] == [24, 24]
+    # 64 MiB pipeline-wide over 6 + 2 bf16 layers of 64 KiB per block: 128
+    # blocks, 48 MiB on node 0 and 16 MiB on node 1, exactly.
+    assert [r["kv_bytes"] for r in ranks] == [48 * MiB, 16 * MiB]
+    assert [r["num_blocks"] for r in ranks] == [128, 128]
     keys = ("rank", "pp_rank", "layers", "kv_bytes", "num_blocks", "tokens")
-    one = _ok(runs.one)["ranks"]
+    one = _ok(runs.pp_ref)["ranks"]
     assert [{k: r[k] for k in keys} for r in ranks] == [
         {k: r[k] for k in keys} for r in one
     ]
-    head, node1 = runs.two.head.log, runs.two.node1.log
+    head, node1 = runs.pp.head.log, runs.pp.node1.log
     # The engine core (node 0) collected node 1's device limit over the
     # launcher's message queues, and each worker logged its own share.
     assert re.search(
@@ -142,16 +162,17 @@ def test_each_node_allocates_exactly_its_share(runs):
         r"MiB for pipeline receive buffers",
         head,
     ), head[-4000:]
-    assert "based on 6/8 layers on rank 0), 24 blocks" in head
-    assert "based on 2/8 layers on rank 1), 24 blocks" in node1
+    assert "based on 6/8 layers on rank 0), 128 blocks" in head
+    assert "based on 2/8 layers on rank 1), 128 blocks" in node1
     assert "on rank 1)" not in head
 
 
 @pytest.mark.engine
 def test_greedy_output_identical_to_the_same_pipeline_on_one_node(runs):
-    two, one = _ok(runs.two), _ok(runs.one)
-    assert two["token_ids"] == one["token_ids"]
-    assert len(two["token_ids"]) == 2 and all(len(t) == 8 for t in two["token_ids"])
+    assert _pp(runs.pp)["token_ids"] == _ok(runs.pp_ref)["token_ids"]
+    tier, ref = _ok(runs.tier), _ok(runs.tier_ref)
+    assert tier["token_ids"] == ref["token_ids"]
+    assert len(tier["token_ids"]) == 2 and len(tier["token_ids"][0]) == 8
 
 
 # ------------------------------------------------------------- host tier
@@ -159,35 +180,33 @@ def test_greedy_output_identical_to_the_same_pipeline_on_one_node(runs):
 
 @pytest.mark.engine
 def test_host_tier_spills_and_hits_on_both_nodes(runs):
-    two, one = _ok(runs.two), _ok(runs.one)
-    tier = two["tier"]
-    assert [t["pp_rank"] for t in tier] == [0, 1]
-    for t in tier:  # every stage, on its own node, copied blocks both ways
-        assert t["saved"] > 0 and t["loaded"] > 0, tier
-    # Each stage holds its slice of every host block: 6:2, as the KV cache.
-    assert tier[0]["slot_bytes"] == 3 * tier[1]["slot_bytes"]
-    assert tier[0]["pool_bytes"] == 3 * tier[1]["pool_bytes"]
-    assert tier == one["tier"]  # the same copies as on one node
-    # The second round found the evicted prefixes on the host.
-    assert sum(two["cached_tokens"][0]) == 0
-    assert sum(two["cached_tokens"][1]) >= 4 * 8 * 128
-    assert two["cached_tokens"] == one["cached_tokens"]
-    assert runs.two.head.log.count("Host KV tier on this rank") == 1
-    assert runs.two.node1.log.count("Host KV tier on this rank") == 1
+    tier, ref = _ok(runs.tier), _ok(runs.tier_ref)
+    copies = tier["tier"]
+    assert [t["pp_rank"] for t in copies] == [0, 1]
+    for t in copies:  # every stage, on its own node, copied blocks both ways
+        assert t["saved"] > 0 and t["loaded"] > 0, copies
+    # Each stage holds its slice of every host block, 5:3 as its layers.
+    assert [t["slot_bytes"] for t in copies] == [640 * KiB, 384 * KiB]
+    # The second round found the evicted prefixes on the host, as on one node.
+    assert sum(tier["cached_tokens"][0]) == 0
+    assert sum(tier["cached_tokens"][1]) >= 4 * 8 * 128
+    assert tier["cached_tokens"] == ref["cached_tokens"]
+    assert runs.tier.head.log.count("Host KV tier on this rank") == 1
+    assert runs.tier.node1.log.count("Host KV tier on this rank") == 1
 
 
 @pytest.mark.engine
 def test_host_memory_is_checked_on_each_node_for_its_own_ranks(runs):
-    _ok(runs.two)
-    for node, log in ((0, runs.two.head.log), (1, runs.two.node1.log)):
+    _ok(runs.tier)
+    for node, log in ((0, runs.tier.head.log), (1, runs.tier.node1.log)):
         line = (
             f"Host KV tier memory check: 0.25 GiB x 1 TP x 1 DP-local = 0.25 GiB "
             f"on this node (--node-rank {node} of --nnodes 2, with 1/2 of each DP "
             f"rank's workers), limit 80% of the "
         )
         assert log.count(line) == 1, log[-4000:]
-    assert "--node-rank 1" not in runs.two.head.log
-    one = runs.one.head.log
+    assert "--node-rank 1" not in runs.tier.head.log
+    one = runs.tier_ref.log
     assert "0.25 GiB x 1 TP x 1 DP-local = 0.25 GiB on this node, limit" in one
 
 
@@ -196,24 +215,29 @@ def test_host_memory_is_checked_on_each_node_for_its_own_ranks(runs):
 
 @pytest.mark.engine
 def test_kv_cache_tokens_across_nodes(runs, model_8l):
-    report = runs.tokens.report
-    assert report is not None, runs.tokens.log[-6000:]
     from vllm_kvmem.planner import plan_capacity
 
+    tier, ref = _ok(runs.tier), _ok(runs.tier_ref)
     cap = plan_capacity(
         model_8l,
         pp=2,
-        partition=PARTITION,
-        budget_tokens=TOKENS,
-        max_model_len=512,
+        partition=TIER_PARTITION,
+        budget_tokens=TIER_TOKENS,
+        max_model_len=2048,
+        dtype="float32",
         platform="cpu",
     )
-    # assert_agrees reads the head's report; the run's exit code is the
-    # node-death test's (below).
-    assert_agrees(EngineRun(0, runs.tokens.log, report), cap, 512)
-    assert [r["num_blocks"] for r in report["ranks"]] == [32, 32]  # 4,096 / 128
-    assert "--kv-cache-tokens 4,096: 32 blocks on every rank" in runs.tokens.head.log
-    assert "KV cache is sized in tokens (--kv-cache-tokens)" in runs.tokens.node1.log
+    assert_agrees(EngineRun(0, runs.tier.log, tier), cap, 2048)
+    assert [r["num_blocks"] for r in tier["ranks"]] == [TIER_BLOCKS] * 2
+    # The same KV cache as the one-node run's 24 MiB per rank.
+    keys = ("rank", "layers", "kv_bytes", "num_blocks", "tokens")
+    assert [{k: r[k] for k in keys} for r in tier["ranks"]] == [
+        {k: r[k] for k in keys} for r in ref["ranks"]
+    ]
+    assert f"--kv-cache-tokens {TIER_TOKENS:,}: {TIER_BLOCKS} blocks on every rank" in (
+        runs.tier.head.log
+    )
+    assert "KV cache is sized in tokens (--kv-cache-tokens)" in runs.tier.node1.log
 
 
 # -------------------------------------------------------------- failures
@@ -221,8 +245,8 @@ def test_kv_cache_tokens_across_nodes(runs, model_8l):
 
 @pytest.mark.engine
 def test_a_node_that_dies_ends_the_head_within_the_step_timeout(runs):
-    run = runs.tokens
-    assert run.report is not None, run.log[-6000:]
+    run = runs.pp
+    _pp(run)
     after = run.after
     assert after is not None, run.log[-6000:]
     # vLLM 0.32: the engine core waits for the last stage's reply (node 1)
@@ -239,7 +263,7 @@ def test_a_node_that_cannot_start_fails_the_head_within_the_join_timeout(runs):
     run = runs.no_start
     node1 = run.node1
     assert node1.returncode == 2, node1.log[-3000:]
-    assert "unrecognized arguments: --kv-cache-tokens" in node1.log
+    assert "unrecognized arguments: --enable-pp-prop-kv-cache" in node1.log
     assert run.returncode not in (0, None), run.head.log[-6000:]
     assert re.search(
         r"DistStoreError: Timed out after \d+ seconds waiting for clients\. "
