@@ -19,7 +19,17 @@ d. ``kv_cache_tokens`` far beyond the device (a clear refusal naming a
    same with CUDA graphs on; an explicit pipeline-proportional budget near
    the device limit;
 e. FLASH_ATTN decode time per step with ``VLLM_KV_CACHE_LAYOUT`` LBNHC (its
-   default), BLNHC and BLHNC, and greedy identity across them.
+   default), BLNHC and BLHNC, and greedy identity across them;
+f. Ray (issue 19): the same engine, TP=1 PP=1, on the multiprocessing
+   executor and on ``--distributed-executor-backend ray`` (vLLM's default Ray
+   executor, RayExecutorV2), with ``kv_cache_tokens`` (the engine core
+   collects the workers' device limits through ``collective_rpc``) and the
+   host tier (its connector metadata comes back from a Ray worker): the
+   plugin loaded in the Ray worker, the limits line logged, blocks, greedy
+   tokens and the repeat's host hit equal to the multiprocessing run. Needs
+   Ray, which the GPU machine lacks: its wheel is carried separately
+   (``scripts/gpu/README.md``) into ``.gpu-site-ray``; without it the item
+   records that Ray is missing and starts nothing.
 
 Each item's results are written to ``$OUT/stage2_results.json`` as soon as
 it ends (a call cut off at its limit keeps what finished); each engine's
@@ -43,7 +53,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 REPORT = "KVMEM_STAGE2 "
-ITEMS = "abcde"
+ITEMS = "abcdef"
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
 
 
@@ -76,7 +86,16 @@ def probe(worker: Any = None) -> dict:
         ),
         "kvmem_loaded": "vllm_kvmem.plugin" in sys.modules
         and bool(sys.modules["vllm_kvmem.plugin"]._state.get("patched")),
+        "ray_actor": _ray_actor_id(),
     }
+
+
+def _ray_actor_id() -> str | None:
+    """The Ray actor this runs in (a Ray worker), else None."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_actor_id()
 
 
 def child(spec: dict) -> dict:
@@ -435,12 +454,99 @@ def item_e(r: Runner) -> dict:
     }
 
 
+#: Where the Ray wheel is installed on the machine (README: "Ray, for item f").
+RAY_SITE = ROOT / ".gpu-site-ray"
+#: The limits line the engine core logs after collective_rpc (device_limits.py).
+LIMITS_LINE = re.compile(r"KV cache limit per rank: (rank 0: .*)\.")
+
+
+def _ray_env() -> dict[str, str] | None:
+    """The environment that makes Ray importable in the engine and its Ray
+    workers (they inherit PYTHONPATH); None when Ray is nowhere."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is not None:
+        return {}
+    if not (RAY_SITE / "ray").is_dir():
+        return None
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": f"{RAY_SITE}:{path}" if path else str(RAY_SITE)}
+
+
+def item_f(r: Runner) -> dict:
+    """Ray, TP=1 PP=1, against the multiprocessing executor: plugin in the
+    Ray worker, device limits collected, host tier's output, same tokens."""
+    from vllm_kvmem.demo import documents
+
+    env = _ray_env()
+    if env is None:
+        return {"skipped": f"Ray is not installed (no module ray, no {RAY_SITE})"}
+    long_prompt, *fillers = documents(5)
+    phases = [
+        {"name": "first", "prompts": [long_prompt], "max_tokens": 16},
+        {"name": "evict", "prompts": fillers, "max_tokens": 16, "sequential": True},
+        {"name": "repeat", "prompts": [long_prompt], "max_tokens": 16},
+    ]
+    # About three documents' worth of device KV (16-token blocks), so the
+    # fillers evict the first; the budget is sized by the engine core from the
+    # workers' limits (collective_rpc), the repeat hits the host tier.
+    llm = base_llm(
+        r.model, dtype="float32", kv_cache_tokens=3072, kv_host_cache_bytes=1 << 30
+    )
+    runs = {
+        "mp": r.engine("f_mp", {"llm": llm, "phases": phases}),
+        "ray": r.engine(
+            "f_ray",
+            {
+                "llm": dict(llm, distributed_executor_backend="ray"),
+                "phases": phases,
+            },
+            **env,
+        ),
+    }
+
+    def limits(name: str) -> str | None:
+        m = LIMITS_LINE.search((r.logs / f"{name}.log").read_text())
+        return m.group(1) if m else None
+
+    def phase(run: dict, name: str) -> dict | None:
+        rep = run.get("report")
+        return (
+            next((p for p in rep["phases"] if p["name"] == name), None) if rep else None
+        )
+
+    reports = {k: v.get("report") for k, v in runs.items()}
+    workers = [p for p in (reports["ray"] or {}).get("probes", []) if p["in_worker"]]
+    return {
+        "runs": runs,
+        "ray_importable_from": str(RAY_SITE) if env else "site-packages",
+        "limits_collected": {k: limits(f"f_{k}") for k in runs},
+        "ray_worker_probes": workers,
+        "plugin_loaded_in_ray_worker": bool(workers)
+        and all(p["kvmem_loaded"] and p["ray_actor"] for p in workers),
+        "kv_blocks": {
+            k: [x["num_blocks"] for x in rep["ranks"]] if rep else None
+            for k, rep in reports.items()
+        },
+        "tokens_equal": all(
+            phase(runs["mp"], n) is not None
+            and phase(runs["ray"], n) is not None
+            and phase(runs["mp"], n)["token_ids"] == phase(runs["ray"], n)["token_ids"]
+            for n in ("first", "evict", "repeat")
+        ),
+        "repeat_cached_tokens": {
+            k: (phase(v, "repeat") or {}).get("cached_tokens") for k, v in runs.items()
+        },
+    }
+
+
 ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "a": item_a,
     "b": item_b,
     "c": item_c,
     "d": item_d,
     "e": item_e,
+    "f": item_f,
 }
 
 
@@ -458,7 +564,9 @@ def make_model(out_dir: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--items", default=ITEMS, help="which of a-e (default all)")
+    p.add_argument(
+        "--items", default=ITEMS[:5], help="which of a-f (default a-e; f needs Ray)"
+    )
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "out/stage2"))
     )
@@ -513,6 +621,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "repeat_cached_tokens",
                 "decode_tokens_per_s",
                 "tokens_equal_to_LBNHC",
+                "limits_collected",
+                "kv_blocks",
             )
         }
         print(json.dumps(summary, default=str)[:2000], flush=True)
