@@ -336,8 +336,9 @@ def _end_with_the_test() -> None:
     its engine core and workers; ``run_headless`` already does. Linux only."""
     import ctypes
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 if __name__ == "__main__":  # worker processes are spawned: guard the entry
