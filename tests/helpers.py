@@ -158,6 +158,21 @@ DEVICE_KV = 24 << 20  # 24 blocks of 128 tokens of model_8l (1 MiB each in float
 HOST_KV = 256 << 20
 
 
+def pp_kwargs(model: Path, budget: int | None, **extra: Any) -> dict[str, Any]:
+    """``LLM`` arguments of the pipeline-of-two engines (uneven stages from
+    VLLM_PP_LAYER_PARTITION); tests that ask for the same ones share a run."""
+    from vllm_kvmem.demo_engine import PP_COMPILATION
+
+    return dict(
+        model=str(model),
+        pipeline_parallel_size=2,
+        kv_cache_memory_bytes=budget,
+        max_model_len=512,
+        compilation_config=PP_COMPILATION,
+        **extra,
+    )
+
+
 def host_tier_workload(num_docs: int = 12) -> dict[str, Any]:
     """The demo's documents read twice: ~1,000 tokens (8 blocks) each, so 12
     documents are 96 blocks, 4x the device cache of :func:`host_tier_kwargs`."""

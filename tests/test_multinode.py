@@ -38,6 +38,7 @@ from tests.helpers import (
     host_tier_kwargs,
     host_tier_workload,
     messages,
+    pp_kwargs,
     run_engine,
 )
 from tests.multinode import PipelineRun, run_pipeline
@@ -62,14 +63,7 @@ JOIN_TIMEOUT_S = 10
 
 def _pp_kwargs(model) -> dict:
     """``test_pp_prop_engine.test_uneven_split_via_llm_kwargs``'s engine."""
-    return dict(
-        model=str(model),
-        pipeline_parallel_size=2,
-        kv_cache_memory_bytes=PP_BUDGET,
-        max_model_len=512,
-        compilation_config=PP_COMPILATION,
-        enable_pp_prop_kv_cache=True,
-    )
+    return pp_kwargs(model, PP_BUDGET, enable_pp_prop_kv_cache=True)
 
 
 def _tier_kwargs(model, tokens: bool) -> dict:

@@ -12,23 +12,11 @@ import re
 
 import pytest
 
-from tests.helpers import assert_agrees, run_engine
-from vllm_kvmem.demo_engine import PP_COMPILATION
+from tests.helpers import assert_agrees, pp_kwargs, run_engine
 
 pytestmark = pytest.mark.engine
 
 MiB = 1 << 20
-
-
-def _pp_kwargs(model, budget, **extra):
-    return dict(
-        model=str(model),
-        pipeline_parallel_size=2,
-        kv_cache_memory_bytes=budget,
-        max_model_len=512,
-        compilation_config=PP_COMPILATION,
-        **extra,
-    )
 
 
 def _assert_proportional(ranks, budget):
@@ -47,7 +35,7 @@ def _assert_proportional(ranks, budget):
 def test_uneven_split_via_llm_kwargs(model_8l):
     budget = 64 * MiB
     run = run_engine(
-        _pp_kwargs(model_8l, budget, enable_pp_prop_kv_cache=True),
+        pp_kwargs(model_8l, budget, enable_pp_prop_kv_cache=True),
         VLLM_PP_LAYER_PARTITION="6,2",
     )
     assert run.returncode == 0, run.log[-4000:]
@@ -87,7 +75,7 @@ def _pp_receive_bytes(model) -> int:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
-    args = EngineArgs(**_pp_kwargs(model, 64 * MiB))
+    args = EngineArgs(**pp_kwargs(model, 64 * MiB))
     cfg = args.create_engine_config(UsageContext.LLM_CLASS)
     tokens = cfg.scheduler_config.max_num_batched_tokens
     hidden = cfg.model_config.get_hidden_size()
@@ -97,7 +85,7 @@ def _pp_receive_bytes(model) -> int:
 def test_even_split_via_additional_config_other_shape(model_6l):
     budget = 40 * MiB
     run = run_engine(
-        _pp_kwargs(
+        pp_kwargs(
             model_6l,
             budget,
             additional_config={"kvmem": {"enable_pp_prop_kv_cache": True}},
@@ -112,7 +100,7 @@ def test_even_split_via_additional_config_other_shape(model_6l):
 
 
 def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
-    kwargs = _pp_kwargs(model_8l, 48 * MiB)
+    kwargs = pp_kwargs(model_8l, 48 * MiB)
     patched = run_engine(kwargs, VLLM_PP_LAYER_PARTITION="5,3")
     unpatched = run_engine(
         kwargs,
@@ -146,7 +134,7 @@ def test_share_too_small_for_one_sequence_fails_naming_rank_and_budget(model_8l)
     # rank 0 1.5 MiB = 4 blocks of 384 KiB; one 512-token sequence there needs
     # 4 blocks + vLLM's null block.
     run = run_engine(
-        _pp_kwargs(model_8l, 2 * MiB, enable_pp_prop_kv_cache=True),
+        pp_kwargs(model_8l, 2 * MiB, enable_pp_prop_kv_cache=True),
         VLLM_PP_LAYER_PARTITION="6,2",
     )
     assert run.returncode != 0
@@ -160,7 +148,7 @@ def test_share_too_small_for_one_sequence_fails_naming_rank_and_budget(model_8l)
 
 def test_bad_partition_gives_vllms_own_error(model_8l):
     run = run_engine(
-        _pp_kwargs(model_8l, 64 * MiB, enable_pp_prop_kv_cache=True),
+        pp_kwargs(model_8l, 64 * MiB, enable_pp_prop_kv_cache=True),
         VLLM_PP_LAYER_PARTITION="5,2",
     )
     assert run.returncode != 0
