@@ -1,4 +1,4 @@
-"""vllm-kvmem: KV-cache memory extensions for vLLM 0.32.
+"""vllm-kvmem: KV-cache memory extensions for vLLM 0.32 and 0.33.
 
 Importing this package, or any module of it, patches nothing and does not
 import vLLM: the vLLM-free core (``vllm_kvmem.core``) and the offline planner
