@@ -227,7 +227,7 @@ def hook_033(monkeypatch):
     )
     record = next(p for p in ALL_PATCHES if p.name == "kv_cache_builder")
     assert _registry.apply(record)
-    assert kv_builder.vllm_has_builders()
+    assert _registry.is_applied(record)
 
 
 def _same(a, b):
@@ -354,9 +354,9 @@ def test_auto_max_model_len_is_refused_on_the_builder_path(model_8l, hook_033):
 
 
 def test_without_the_hook_nothing_of_the_builder_path_runs(model_8l, caplog):
-    """vLLM 0.32 (no hook): the executor patch plans nothing, the planner
+    """vLLM 0.32 (no builders): the executor patch plans nothing, the planner
     patch does it all."""
-    assert not kv_builder.vllm_has_builders()
+    assert not va.plans_through_builder()
     cfg = _config(model_8l, tokens=4096)
     specs = _specs(cfg, [6, 2])
     executor = SimpleNamespace(

@@ -34,13 +34,6 @@ except ImportError:  # vLLM 0.32 has no builder interface and never selects one
 QUALNAME = "vllm_kvmem.kv_builder.KVMemKVCacheConfigBuilder"
 
 
-def vllm_has_builders() -> bool:
-    """Whether this vLLM plans through a platform-selected builder (0.33 on)."""
-    from vllm.platforms.interface import Platform
-
-    return hasattr(Platform, "get_kv_cache_config_builder_cls")
-
-
 def select_builder(original: Callable[..., str], cls: Any, vllm_config: Any) -> str:
     """The platform hook (``Platform.get_kv_cache_config_builder_cls``) with
     vllm-kvmem: its builder while a budget mode sizes the cache, else the

@@ -12,10 +12,11 @@ def _make(original):
 
         if uses_device_limits(self.vllm_config):
             from vllm_kvmem import kv_builder
+            from vllm_kvmem import vllm_adapter as va
             from vllm_kvmem.device_limits import collect_from_workers
 
             collect_from_workers(self)
-            if kv_builder.vllm_has_builders():
+            if va.plans_through_builder():
                 from vllm_kvmem.kv_budget import stash_plan
 
                 kv_builder.check_selected(self.vllm_config)
