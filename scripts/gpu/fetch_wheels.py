@@ -75,7 +75,6 @@ GIB = 1024**3
 #: (vLLM 0.33.0 needs torch 2.14.0: a separate, larger carry).
 VLLM_RELEASES = {"0.32.0": "2.13.0", "0.33.0": "2.14.0"}
 DEFAULT_VLLM = "0.32.0"
-TARGETS = ("vllm==0.32.0", "torch==2.13.0")
 
 
 def targets_for(vllm_version: str) -> tuple[str, str]:
