@@ -9,12 +9,14 @@ test modules share live in ``tests/helpers.py``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.upstream_tree import apply_series, copy_vllm, no_plugin_shim
 from vllm_kvmem.tiny_model import build_tiny_model
 
 
@@ -79,3 +81,38 @@ def wheel_033(tmp_path_factory):
     from vllm_kvmem.vllm_sources import SourceTree
 
     return SourceTree(wheels[0])
+
+
+# ------------------------------------------------ the in-tree series (0.32)
+
+
+@pytest.fixture(scope="session")
+def series_032(tmp_path_factory) -> list[Path]:
+    """``kvmem upstream``'s series for the installed vLLM."""
+    from vllm_kvmem.upstream import write_series
+
+    _version, files = write_series(tmp_path_factory.mktemp("series032"))
+    return files
+
+
+@pytest.fixture(scope="session")
+def patched_vllm(tmp_path_factory, series_032) -> Path:
+    """The installed vLLM 0.32 with the series applied (a folder holding vllm/)."""
+    root = copy_vllm(tmp_path_factory.mktemp("vllm032"))
+    apply_series(root, series_032)
+    return root
+
+
+@pytest.fixture(scope="session")
+def no_plugin(tmp_path_factory, patched_vllm) -> tuple[dict[str, str], Path]:
+    """Environment and working folder of a process that runs the patched vLLM
+    and cannot import ``vllm_kvmem``."""
+    from vllm_kvmem.demo_engine import engine_env
+
+    shim = no_plugin_shim(tmp_path_factory.mktemp("no_plugin"))
+    env = engine_env(
+        PYTHONPATH=f"{patched_vllm}{os.pathsep}{shim}",
+        VLLM_PLUGINS="",  # no general plugin: vllm-kvmem's entry point is skipped
+        VLLM_LOGGING_LEVEL="INFO",
+    )
+    return env, shim

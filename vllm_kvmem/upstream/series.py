@@ -11,7 +11,6 @@ from ``docs/`` and from the patch records.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib.util
 import re
 import textwrap
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvmem.patches import ALL_PATCHES, Patch, for_series
-from vllm_kvmem.upstream import intree
+from vllm_kvmem.upstream import gitfmt, intree
 from vllm_kvmem.upstream.anchors import (
     AnchorError,
     Edit,
@@ -33,8 +32,6 @@ from vllm_kvmem.vllm_sources import SourceTree
 
 DOCS = intree.SRC.parent / "docs"
 README = intree.SRC.parent / "README.md"
-AUTHOR = "vllm-kvmem <vllm-kvmem@users.noreply.github.com>"
-DATE = "Thu, 1 Jan 2026 00:00:00 +0000"
 
 #: Records whose change in-tree is plain fields, not a hook: the options are
 #: ``CacheConfig``/``EngineArgs`` fields, which vLLM's parser, ``from_cli_args``
@@ -489,73 +486,6 @@ def _own_version() -> str:
 # ------------------------------------------------------------------ output
 
 
-def diff_text(changes: list[tuple[str, str | None, str]]) -> str:
-    """``git diff`` form of the changes (new files with ``new file mode``)."""
-    out = []
-    for path, before, after in changes:
-        a = (before or "").splitlines(keepends=True)
-        b = after.splitlines(keepends=True)
-        out.append(f"diff --git a/{path} b/{path}\n")
-        if before is None:
-            out.append("new file mode 100644\n")
-        hunks = list(
-            difflib.unified_diff(
-                a,
-                b,
-                "/dev/null" if before is None else f"a/{path}",
-                f"b/{path}",
-                n=3,
-            )
-        )
-        if not hunks:  # an empty new file
-            continue
-        for line in hunks:
-            out.append(
-                line
-                if line.endswith("\n")
-                else line + "\n\\ No newline at end of file\n"
-            )
-    return "".join(out)
-
-
-def _diffstat(gen: Generated) -> str:
-    rows = []
-    for path, before, after in gen.changes:
-        diff = difflib.unified_diff(
-            (before or "").splitlines(), after.splitlines(), lineterm="", n=0
-        )
-        add = rem = 0
-        for line in diff:
-            if line.startswith(("+++", "---")):
-                continue
-            add += line.startswith("+")
-            rem += line.startswith("-")
-        rows.append((path, add, rem))
-    width = max(len(p) for p, _, _ in rows)
-    lines = [
-        f" {p.ljust(width)} | {a + r:4} {'+' * min(a, 40)}{'-' * min(r, 40)}"
-        for p, a, r in rows
-    ]
-    add = sum(a for _, a, _ in rows)
-    rem = sum(r for _, _, r in rows)
-    lines.append(f" {len(rows)} files changed, {add} insertions(+), {rem} deletions(-)")
-    return "\n".join(lines)
-
-
-def format_patch(gen: Generated, total: int) -> str:
-    """One patch in ``git format-patch`` form (``git am`` reads it)."""
-    diff = diff_text(gen.changes)
-    sha = hashlib.sha1((gen.message + diff).encode()).hexdigest()
-    subject = f"[PATCH {gen.number}/{total}] {gen.patch.subject}"
-    return (
-        f"From {sha} Mon Sep 17 00:00:00 2001\n"
-        f"From: {AUTHOR}\n"
-        f"Date: {DATE}\n"
-        f"Subject: {subject}\n\n"
-        f"{gen.message}---\n{_diffstat(gen)}\n\n{diff}-- \nkvmem upstream\n\n"
-    )
-
-
 def write_series(out: Path, src: Path | None = None) -> tuple[str, list[Path]]:
     """Write the numbered series into ``out``; ``(vLLM version, files)``."""
     version, patches = generate(src)
@@ -567,7 +497,11 @@ def write_patches(out: Path, patches: list[Generated]) -> list[Path]:
     files = []
     for gen in patches:
         path = out / f"{gen.number:04d}-{gen.patch.slug}.patch"
-        path.write_text(format_patch(gen, len(patches)))
+        path.write_text(
+            gitfmt.format_patch(
+                gen.number, len(patches), gen.patch.subject, gen.message, gen.changes
+            )
+        )
         files.append(path)
     return files
 
