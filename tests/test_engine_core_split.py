@@ -185,7 +185,7 @@ def test_token_budget_below_one_sequence_is_refused(model_8l, tokens):
 
 
 def test_startup_report_lists_every_rank(model_8l):
-    with captured_log("vllm.kvmem.kv_budget") as records:
+    with captured_log("vllm.kvmem.capacity_table") as records:
         cfg = _config(model_8l, tp=2, flag=False)
         configs = ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2], tp=2), [BIG] * 4)
     (report,) = [m for m in messages(records) if m.startswith("KV cache per rank")]

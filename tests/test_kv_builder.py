@@ -259,7 +259,7 @@ def test_builder_path_gives_the_planner_patch_configs(model_8l, hook_033, case):
         return path(cfg, specs, [BIG] * len(specs))
 
     expected = build(ku.get_kv_cache_configs)  # vLLM 0.32 with the planner patch
-    with captured_log("vllm.kvmem.kv_budget") as records:
+    with captured_log("vllm.kvmem.capacity_table") as records:
         got = build(engine_core_033)
     _same(got, expected)
     (table,) = [m for m in messages(records) if m.startswith("KV cache per rank")]

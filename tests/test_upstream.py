@@ -7,6 +7,8 @@ copy are in ``test_upstream_engines.py``.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,3 +129,138 @@ def test_in_tree_unit_tests_pass_on_the_patched_copy(no_plugin, patched_vllm):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and " error" not in done.stdout
+
+
+# ------------------------------------------------- each patch on its own
+
+_PREFIX_CHECK = r"""
+import importlib, json, pkgutil, sys
+
+model = sys.argv[1]
+import vllm.v1.kv_mem as pkg
+
+found = pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
+modules = sorted(m.name for m in found)
+for name in modules:
+    importlib.import_module(name)
+from vllm.engine.arg_utils import EngineArgs
+
+
+def outcome(**kw):
+    try:
+        config = EngineArgs(model=model, **kw).create_engine_config()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    transfer = config.kv_transfer_config
+    return {
+        "connector": transfer.kv_connector if transfer else None,
+        "kv_cache_memory_bytes": config.cache_config.kv_cache_memory_bytes,
+    }
+
+
+cases = {
+    "bad_value": dict(kv_cache_tokens=0),
+    "pp_without_budget": dict(enable_pp_prop_kv_cache=True),
+    "tokens_and_bytes": dict(kv_cache_tokens=4096, kv_cache_memory_bytes=64 << 20),
+    "tokens": dict(kv_cache_tokens=4096),
+    "host_tier": dict(kv_host_cache_bytes=64 << 20),
+}
+out = {"modules": modules, "cases": {n: outcome(**kw) for n, kw in cases.items()}}
+print("REPORT " + json.dumps(out))
+"""
+
+
+def test_each_patch_runs_on_its_own(tmp_path, series_032, model_8l):
+    """Apply the series one patch at a time to one copy of vLLM; after each,
+    with no plugin: every in-tree module imports, and the options have exactly
+    the effects of the patches applied so far (a patch's check is live from
+    that patch on, and inert before it)."""
+    from tests.upstream_tree import copy_vllm, no_plugin_shim
+    from vllm_kvmem.demo_engine import engine_env
+
+    root = copy_vllm(tmp_path / "tree")
+    shim = no_plugin_shim(tmp_path / "shim")
+    env = engine_env(PYTHONPATH=f"{root}{os.pathsep}{shim}", VLLM_PLUGINS="")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    seen = []
+    for patch, up_patch in zip(series_032, up.PATCHES, strict=True):
+        apply_series(root, [patch])
+        done = subprocess.run(
+            [sys.executable, "-c", _PREFIX_CHECK, str(model_8l)],
+            cwd=shim,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
+        assert done.returncode == 0 and lines, (patch.name, done.stderr[-4000:])
+        seen.append((up_patch.slug, json.loads(lines[-1].removeprefix("REPORT "))))
+    by = dict(seen)
+    slugs = [s for s, _ in seen]
+    assert slugs == list(up.SLUGS)
+
+    def since(slug: str, case: str, applied, inert) -> None:
+        first = slugs.index(slug)
+        for i, s in enumerate(slugs):
+            got = by[s]["cases"][case]
+            assert (applied if i >= first else inert)(got), (s, case, got)
+
+    def error(*words: str):
+        return lambda got: all(w in got.get("error", "") for w in words)
+
+    def ok(got) -> bool:
+        return "error" not in got
+
+    since(
+        "kv-mem-options", "bad_value", error("--kv-cache-tokens", "invalid value 0"), ok
+    )
+    since(
+        "pp-kv-budget",
+        "pp_without_budget",
+        error("--enable-pp-prop-kv-cache needs --kv-cache-memory-bytes"),
+        ok,
+    )
+    since(
+        "kv-token-budget",
+        "tokens_and_bytes",
+        error("--kv-cache-tokens 4,096", "both size the KV cache"),
+        ok,
+    )
+    since(
+        "kv-token-budget",
+        "tokens",
+        lambda got: got.get("kv_cache_memory_bytes") == 1,  # the placeholder
+        lambda got: got.get("kv_cache_memory_bytes") is None,
+    )
+    since(
+        "host-kv-tier",
+        "host_tier",
+        lambda got: got.get("connector") == "KVMemHostTierConnector",
+        lambda got: got.get("connector") is None,
+    )
+    # Each patch's modules import on their own: the package grows patch by patch.
+    sizes = [len(by[s]["modules"]) for s in slugs]
+    assert sizes == sorted(sizes) and sizes[0] >= 2, sizes
+
+
+def test_in_tree_blocks_belong_to_their_patch():
+    """``# in-tree: <patch>`` blocks appear from their patch on; plugin-only
+    blocks never; markers never; a bad marker fails naming the place."""
+    from vllm_kvmem.upstream.intree import blocks_for
+
+    text = (
+        "a\n# in-tree: p2\nb\n# in-tree: end\n"
+        "    # in-tree: plugin-only\n    c\n    # in-tree: end\nd\n"
+    )
+    known = ("p1", "p2")
+    assert blocks_for(text, ("p1",), known, "f.py") == "a\nd\n"
+    assert blocks_for(text, ("p1", "p2"), known, "f.py") == "a\nb\nd\n"
+    with pytest.raises(ValueError, match=r"f\.py:2: '# in-tree: p3' names no patch"):
+        blocks_for(text.replace("p2", "p3"), ("p1",), known, "f.py")
+    with pytest.raises(ValueError, match="inside block 'p2'"):
+        blocks_for("# in-tree: p2\n# in-tree: p1\n", known, known, "f.py")
+    with pytest.raises(ValueError, match="never closed"):
+        blocks_for("# in-tree: p2\nx\n", known, known, "f.py")
+    with pytest.raises(ValueError, match="closes no block"):
+        blocks_for("x\n# in-tree: end\n", known, known, "f.py")

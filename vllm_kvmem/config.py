@@ -16,7 +16,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from vllm_kvmem.core import units
 
+# in-tree: plugin-only
 ADDITIONAL_CONFIG_KEY = "kvmem"
+# in-tree: end
 
 
 def parse_size(value: Any) -> Any:
@@ -114,6 +116,7 @@ class KVMemConfig(BaseModel):
             return cls()
         if isinstance(raw, KVMemConfig):
             return raw
+        # in-tree: plugin-only
         if not isinstance(raw, dict):
             raise ValueError(
                 f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a mapping of "
@@ -127,6 +130,7 @@ class KVMemConfig(BaseModel):
                 f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]; valid keys: "
                 f"{', '.join(cls.option_names())}"
             )
+        # in-tree: end
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
@@ -143,9 +147,8 @@ class KVMemConfig(BaseModel):
                 "literal_error": "one of " + ", ".join(map(str, choices)),
             }.get(err["type"], "a positive integer or a size like 400k or 8G")
             raise ValueError(
-                f"{cls.flag(name)} (additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
-                f"[{name!r}]): invalid value {raw.get(name)!r}: {err['msg']}; "
-                f"expected {expected}"
+                f"{cls.flag(name)}{_source(name)}: invalid value "
+                f"{raw.get(name)!r}: {err['msg']}; expected {expected}"
             ) from None
 
     @classmethod
@@ -156,9 +159,11 @@ class KVMemConfig(BaseModel):
         same items is validated only the first time (errors are not cached).
         """
         raw = _in_tree_options(vllm_config)
+        # in-tree: plugin-only
         if raw is None:
             additional = getattr(vllm_config, "additional_config", None) or {}
             raw = additional.get(ADDITIONAL_CONFIG_KEY)
+        # in-tree: end
         if not isinstance(raw, dict):
             return cls.parse(raw)
         try:
@@ -168,6 +173,15 @@ class KVMemConfig(BaseModel):
             return _parse_items(key)
         except TypeError:  # an unhashable value: parse() says what is wrong
             return cls.parse(raw)
+
+
+def _source(name: str) -> str:
+    """Where option ``name`` rides, for error messages (after its flag)."""
+    where = ""
+    # in-tree: plugin-only
+    where = f" (additional_config[{ADDITIONAL_CONFIG_KEY!r}][{name!r}])"
+    # in-tree: end
+    return where
 
 
 def _in_tree_options(vllm_config: Any) -> dict[str, Any] | None:
@@ -186,17 +200,22 @@ def _parse_items(key: tuple[tuple[str, type, Any], ...]) -> KVMemConfig:
     return KVMemConfig.parse({k: v for k, _, v in key})
 
 
-def store_normalised(vllm_config: Any) -> KVMemConfig:
-    """Write the parsed options back into ``additional_config`` normalised
-    (sizes as integers, only the options given), so that the engine core and
-    every worker read the same mapping; changes ``vllm_config``."""
+def check_options(vllm_config: Any) -> KVMemConfig:
+    """Validate the options at startup (a bad value fails naming its flag).
+    Under the plugin, also write them back into ``additional_config``
+    normalised (sizes as integers, only the options given), so that the
+    engine core and every worker read the same mapping; changes
+    ``vllm_config``."""
     cfg = KVMemConfig.from_vllm_config(vllm_config)
+    # in-tree: plugin-only
     additional = vllm_config.additional_config
     if ADDITIONAL_CONFIG_KEY in additional:
         additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(exclude_unset=True)
+    # in-tree: end
     return cfg
 
 
+# in-tree: plugin-only
 def merge_options(
     additional_config: dict[str, Any] | None, options: dict[str, Any], source: str
 ) -> dict[str, Any]:
@@ -217,3 +236,6 @@ def merge_options(
         current[name] = value
     merged[ADDITIONAL_CONFIG_KEY] = current
     return merged
+
+
+# in-tree: end

@@ -134,6 +134,7 @@ def headroom_bytes() -> int:
     return GPU_HEADROOM_BYTES if _profiles_device_memory() else 0
 
 
+# in-tree: host-kv-tier
 def staging_reserve_bytes(vllm_config: Any) -> int:
     """The host tier's device staging buffers, when the tier is on and the
     layout makes its copy engine gather (a block-then-layer layout such as
@@ -156,6 +157,7 @@ def staging_reserve_bytes(vllm_config: Any) -> int:
     return staging_reserve()
 
 
+# in-tree: end
 def measure(worker: Any, original: Any) -> DeviceLimit:
     """Run vLLM's ``determine_available_memory`` (profile run, vLLM's checks),
     then measure this worker's limit."""
@@ -171,11 +173,15 @@ def measure(worker: Any, original: Any) -> DeviceLimit:
     # the multimodal reservation, which vLLM would refuse; let it through.
     with _budget_at_least(config, mm + 1):
         held_back = config.kv_cache_memory_bytes - original(worker)
+    staging = 0
+    # in-tree: host-kv-tier
+    staging = staging_reserve_bytes(worker.vllm_config)
+    # in-tree: end
     limit = DeviceLimit(
         free=free_device_bytes(worker),
         mm_reserved=max(0, held_back),
         cuda_graphs=cuda_graph_estimate_bytes(worker),
-        staging=staging_reserve_bytes(worker.vllm_config),
+        staging=staging,
         pp_buffers=pp_receive_bytes(worker),
         headroom=headroom_bytes(),
     )

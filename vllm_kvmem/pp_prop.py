@@ -41,9 +41,10 @@ def is_active(vllm_config: Any, cfg: KVMemConfig) -> bool:
     )
 
 
-def check_flags(vllm_config: Any, cfg: KVMemConfig) -> None:
+def check_flags(vllm_config: Any) -> None:
     """Startup checks of the flag on the final VllmConfig (API server process);
     changes nothing. A token budget sizes the cache instead: nothing to check."""
+    cfg = KVMemConfig.from_vllm_config(vllm_config)
     if not cfg.enable_pp_prop_kv_cache or cfg.kv_cache_tokens is not None:
         return
     budget = vllm_config.cache_config.kv_cache_memory_bytes

@@ -8,16 +8,28 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def create_engine_config(self, *args, **kwargs):
-        from vllm_kvmem import kv_budget, pp_prop
-        from vllm_kvmem.config import store_normalised
+        # in-tree: host-kv-tier
         from vllm_kvmem.host_tier import add_connector_config
 
         add_connector_config(self)
+        # in-tree: end
         config = original(self, *args, **kwargs)
-        cfg = store_normalised(config)
-        kv_budget.check_budget_flags(config, cfg)
-        pp_prop.check_flags(config, cfg)
-        kv_budget.set_tokens_placeholder(config, cfg)
+        from vllm_kvmem.config import check_options
+
+        check_options(config)
+        # in-tree: kv-token-budget
+        from vllm_kvmem import token_budget
+
+        token_budget.check_budget_flags(config)
+        # in-tree: end
+        # in-tree: pp-kv-budget
+        from vllm_kvmem import pp_prop
+
+        pp_prop.check_flags(config)
+        # in-tree: end
+        # in-tree: kv-token-budget
+        token_budget.set_tokens_placeholder(config)
+        # in-tree: end
         return config
 
     return create_engine_config
@@ -38,9 +50,10 @@ PATCH = Patch(
     "while the VllmConfig is built).",
     how="Wraps the method: first turns `--kv-host-cache-bytes` into vLLM's own "
     "`kv_transfer_config` (the host tier connector) after checking host memory, "
-    "then builds the VllmConfig as vLLM does, stores "
-    "`additional_config['kvmem']` normalised, runs the cross-flag checks, and "
-    "with `--kv-cache-tokens` sets the 1-byte placeholder budget.",
+    "then builds the VllmConfig as vLLM does, validates the options (under the "
+    "plugin also storing `additional_config['kvmem']` normalised), runs the "
+    "cross-flag checks of the token budget and of `--enable-pp-prop-kv-cache`, "
+    "and with `--kv-cache-tokens` sets the 1-byte placeholder budget.",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig with its own checks.",
     idle="Calls vLLM's method; the flag checks find nothing to check, no "

@@ -7,13 +7,16 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
-        from vllm_kvmem.host_tier import size_host_tier
         from vllm_kvmem.kv_budget import plan_kv_cache_configs
 
         configs = plan_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory
         )
+        # in-tree: host-kv-tier
+        from vllm_kvmem.host_tier import size_host_tier
+
         size_host_tier(vllm_config, configs)
+        # in-tree: end
         return configs
 
     return get_kv_cache_configs

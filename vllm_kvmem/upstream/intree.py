@@ -9,6 +9,10 @@
   now in vLLM.
 * Options: the fields of ``KVMemConfig`` become ``CacheConfig`` fields with
   their docstrings, ``EngineArgs`` fields and parser flags.
+* Blocks: lines between ``# in-tree: <patch>`` and ``# in-tree: end`` belong
+  to that patch of the series (a hook or module that several patches extend);
+  ``# in-tree: plugin-only`` lines never go in-tree (how the plugin carries
+  the options in ``additional_config``). The markers themselves never do.
 """
 
 from __future__ import annotations
@@ -39,6 +43,47 @@ _NAME = re.compile(r"\bvllm_kvmem\b")
 def rewrite(text: str) -> str:
     """Plugin source as in-tree source: ``vllm_kvmem`` becomes the new package."""
     return _NAME.sub(PKG, text)
+
+
+PLUGIN_ONLY = "plugin-only"
+_MARK = re.compile(r"^[ \t]*# in-tree: (?P<tag>[\w-]+)[ \t]*\n", re.M)
+
+
+def blocks_for(
+    text: str,
+    included: typing.Collection[str],
+    known: typing.Collection[str],
+    where: str,
+) -> str:
+    """``text`` as it stands once the patches ``included`` are applied: the
+    blocks of other patches (and plugin-only blocks) removed, every marker
+    removed. A marker naming no patch in ``known``, a nested block or one left
+    open is an error naming ``where``."""
+    out: list[str] = []
+    pos, open_tag = 0, None
+    for m in _MARK.finditer(text):
+        tag = m["tag"]
+        line = text.count("\n", 0, m.start()) + 1
+        if tag == "end":
+            if open_tag is None:
+                raise ValueError(f"{where}:{line}: '# in-tree: end' closes no block")
+            if open_tag in included:
+                out.append(text[pos : m.start()])
+            pos, open_tag = m.end(), None
+            continue
+        if tag != PLUGIN_ONLY and tag not in known:
+            raise ValueError(
+                f"{where}:{line}: '# in-tree: {tag}' names no patch of the series "
+                f"({', '.join(known)}) nor {PLUGIN_ONLY}"
+            )
+        if open_tag is not None:
+            raise ValueError(f"{where}:{line}: block {tag!r} inside block {open_tag!r}")
+        out.append(text[pos : m.start()])
+        pos, open_tag = m.end(), tag
+    if open_tag is not None:
+        raise ValueError(f"{where}: block {open_tag!r} is never closed")
+    out.append(text[pos:])
+    return "".join(out)
 
 
 # ------------------------------------------------------------------ modules
@@ -118,8 +163,13 @@ def closure(roots: typing.Iterable[str], top_level_only: bool = True) -> list[st
     return sorted(seen)
 
 
-def module_text(name: str) -> str:
-    return rewrite(module_file(name).read_text())
+def module_text(
+    name: str, included: typing.Collection[str], known: typing.Collection[str]
+) -> str:
+    """Module ``name`` in-tree, as the patches ``included`` leave it."""
+    path = module_file(name)
+    text = blocks_for(path.read_text(), included, known, str(path.relative_to(SRC)))
+    return rewrite(text)
 
 
 PACKAGE_INIT = '''"""KV cache memory: pipeline-wide and token KV budgets, the startup
@@ -171,10 +221,15 @@ def _globals_used(func: types.FunctionType) -> dict[str, Any]:
     return {n: func.__globals__[n] for n in names if n in func.__globals__}
 
 
-def hook_source(record: Patch) -> str:
-    """The record's ``make_replacement`` as a hook in ``hooks.py``."""
+def hook_source(
+    record: Patch, included: typing.Collection[str], known: typing.Collection[str]
+) -> str:
+    """The record's ``make_replacement`` as a hook in ``hooks.py``, as the
+    patches ``included`` leave it."""
     func = record.make_replacement
-    src = textwrap.dedent(inspect.getsource(func))
+    src = blocks_for(
+        textwrap.dedent(inspect.getsource(func)), included, known, record.name
+    )
     maker = f"_make_{record.name}"
     src = re.sub(rf"^def {func.__name__}\(", f"def {maker}(", src, count=1)
     consts = []
@@ -191,21 +246,6 @@ def hook_source(record: Patch) -> str:
     lines = [*consts, "" if consts else None, src.rstrip(), ""]
     lines.append(f"{record.name} = _hook({maker}, {doc!r})")
     return rewrite("\n".join(ln for ln in lines if ln is not None)) + "\n"
-
-
-def hook_imports(record: Patch) -> set[str]:
-    """Plugin modules a record's replacement imports (relative names)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(record.make_replacement)))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-            "vllm_kvmem"
-        ):
-            base = node.module.removeprefix("vllm_kvmem").lstrip(".")
-            for alias in node.names:
-                rel = f"{base}.{alias.name}".lstrip(".")
-                found.add(rel if _exists(rel) else base)
-    return {m for m in found if m}
 
 
 def hook_target(record: Patch) -> tuple[str, str]:
@@ -256,9 +296,10 @@ def option_fields() -> list[tuple[str, str, str, str, bool]]:
     return out
 
 
-def option_edits(tree_text: typing.Callable[[str], str]) -> list[Edit]:
-    """``CacheConfig`` fields, ``EngineArgs`` fields, parser flags, the
-    ``CacheConfig`` the engine builds, and human-readable sizes."""
+def option_edits() -> list[Edit]:
+    """``CacheConfig`` fields (left out of its hash: no option changes the
+    compiled graph), ``EngineArgs`` fields, parser flags, the ``CacheConfig``
+    the engine builds, and human-readable sizes."""
     fields = option_fields()
     cache = "\n".join(
         f"{n}: {a} = {d}\n{_docstring(doc, '')}\n" for n, a, d, doc, _ in fields
@@ -282,6 +323,13 @@ def option_edits(tree_text: typing.Callable[[str], str]) -> list[Edit]:
             cache + "\n",
             scope="CacheConfig",
             where="before",
+        ),
+        Edit(
+            "vllm/config/cache.py",
+            r'^\s+"kv_cache_memory_bytes",\n',
+            "# KV memory options: budgets and the host tier, not the graph\n"
+            + "\n".join(f'"{n}",' for n, *_ in fields),
+            scope="CacheConfig.compute_hash",
         ),
         Edit(
             "vllm/engine/arg_utils.py",
@@ -316,17 +364,6 @@ def option_edits(tree_text: typing.Callable[[str], str]) -> list[Edit]:
 
 # -------------------------------------------------------------------- tests
 
-#: Our vLLM-free tests that go into vLLM's test layout, with the test helper
-#: modules they import, by the patch they test.
-TEST_FILES: dict[str, tuple[str, ...]] = {
-    "kv-budgets": ("test_pp_split.py",),
-    "host-tier": (
-        "test_host_index.py",
-        "test_wait_timer.py",
-        "copy_checks.py",
-        "test_copy_engine.py",
-    ),
-}
 TESTS_DIR = "tests/v1/kv_mem"
 
 

@@ -10,6 +10,7 @@ from ``docs/`` and from the patch records.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib.util
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvmem.patches import ALL_PATCHES, Patch, for_series
-from vllm_kvmem.upstream import gitfmt, intree
+from vllm_kvmem.upstream import gitfmt, intree, style
 from vllm_kvmem.upstream.anchors import (
     AnchorError,
     Edit,
@@ -60,9 +61,11 @@ class UpstreamPatch:
     """``(doc file, heading)`` sections quoted in the message; heading "" is
     the part before the first section."""
     results: tuple[tuple[str, str], ...] = ()
+    tests: tuple[str, ...] = ()
+    """Our vLLM-free test modules (and the helpers they import) that go into
+    vLLM's test layout with this patch."""
     option_edits: bool = False
     connector_edit: bool = False
-    tests: bool = False
 
 
 PATCHES: tuple[UpstreamPatch, ...] = (
@@ -70,21 +73,25 @@ PATCHES: tuple[UpstreamPatch, ...] = (
         "kv-mem-options",
         "[Core] Add KV memory options to CacheConfig and the engine arguments",
         "Adds the KV cache memory options to `CacheConfig`, with vLLM-style "
-        "docstrings, and their `EngineArgs` fields and server flags. The options "
-        "do nothing yet; the following patches give them their effect.",
+        "docstrings, their `EngineArgs` fields and server flags, and their "
+        "startup validation (a bad value fails naming the flag). They are left "
+        "out of `CacheConfig.compute_hash`: none changes the compiled graph. "
+        "The options do nothing yet; the following patches give them their "
+        "effect.",
         roots=("config",),
+        records=("engine_args_config",),
         option_edits=True,
         docs=(("README.md", "Options"),),
     ),
     UpstreamPatch(
-        "kv-budgets",
-        "[Core] Pipeline-proportional KV cache budget, token budgets and a "
-        "per-rank capacity table",
+        "pp-kv-budget",
+        "[Core] Pipeline-proportional KV cache budget",
         "`--enable-pp-prop-kv-cache` makes `--kv-cache-memory-bytes` one budget "
         "for the whole pipeline, split across stages by their KV bytes per "
-        "block; `--kv-cache-tokens` sizes the cache in tokens; the engine logs "
-        "one table of every rank's KV capacity. The split, the token budget and "
-        "the table live in one module (`kv_budget`), so they are one patch.",
+        "block, so that every stage holds the same number of blocks. Workers "
+        "report their device's KV limit, the engine core splits the budget "
+        "(on vLLM 0.32 in `get_kv_cache_configs`, on 0.33 through a "
+        "`KVCacheConfigBuilder`) and each worker logs its share.",
         roots=("kv_budget", "pp_prop", "device_limits", "kv_builder"),
         records=(
             "kv_cache_configs",
@@ -95,6 +102,7 @@ PATCHES: tuple[UpstreamPatch, ...] = (
             "executor_kv_cache_init",
             "worker_kv_cache_init",
         ),
+        tests=("test_pp_split.py",),
         docs=(
             ("pp-proportional-kv-cache.md", ""),
             ("pp-proportional-kv-cache.md", "What it does"),
@@ -102,8 +110,22 @@ PATCHES: tuple[UpstreamPatch, ...] = (
             ("kv-planning.md", "A budget without and with `--enable-pp-prop-kv-cache`"),
         ),
         results=(
-            ("pp-proportional-kv-cache.md", "What you see in the logs"),
             ("pp-proportional-kv-cache.md", "Worked example: Qwen3-32B split 56/8"),
+        ),
+    ),
+    UpstreamPatch(
+        "kv-token-budget",
+        "[Core] KV cache budgets in tokens and a per-rank capacity table",
+        "`--kv-cache-tokens` sizes the KV cache in tokens: every rank gets "
+        "exactly the blocks that many tokens need, as vLLM counts capacity, "
+        "from the KV specs its workers report (with pipeline parallelism each "
+        "stage's bytes follow its KV bytes per block). Whatever sized the "
+        "cache, the engine core logs one table of every rank's layers, KV "
+        "bytes, blocks, tokens and concurrency.",
+        roots=("token_budget", "capacity_table"),
+        docs=(
+            ("kv-planning.md", "Blocks a request needs, and the null block"),
+            ("pp-proportional-kv-cache.md", "What you see in the logs"),
         ),
     ),
     UpstreamPatch(
@@ -128,11 +150,15 @@ PATCHES: tuple[UpstreamPatch, ...] = (
         "`--kv-host-cache-bytes` adds a host-memory tier: blocks the device "
         "prefix cache evicts are copied to host memory and copied back on a "
         "later prefix hit. It is an in-tree KV connector with its own copy "
-        "engine, registered as `KVMemHostTierConnector`. This patch also adds "
-        "the startup checks of all the KV memory options (they set up its "
-        "connector config).",
+        "engine, registered as `KVMemHostTierConnector`.",
         roots=("host_tier", "core.copy_engine"),
-        records=("block_pool_evict", "engine_args_config"),
+        records=("block_pool_evict",),
+        tests=(
+            "test_host_index.py",
+            "test_wait_timer.py",
+            "copy_checks.py",
+            "test_copy_engine.py",
+        ),
         connector_edit=True,
         docs=(
             ("host-kv-tier.md", ""),
@@ -143,15 +169,8 @@ PATCHES: tuple[UpstreamPatch, ...] = (
         ),
         results=(("host-kv-tier.md", "Benchmark"),),
     ),
-    UpstreamPatch(
-        "kv-mem-tests",
-        "[Tests] KV memory: unit tests of the split, the host index and the "
-        "copy engine",
-        "The vLLM-free unit tests of the previous patches, in vLLM's test "
-        "layout (`tests/v1/kv_mem/`).",
-        tests=True,
-    ),
 )
+SLUGS = tuple(p.slug for p in PATCHES)
 
 
 # ------------------------------------------------------------------- trees
@@ -227,8 +246,12 @@ class _Tree:
 def generate(src: Path | None = None) -> tuple[str, list[Generated]]:
     """The series for the vLLM tree at ``src``: ``(vLLM version, patches)``.
 
-    Raises :class:`AnchorError` naming the patch, the file and the anchor when
-    vLLM's file does not hold the place an edit needs.
+    Each patch leaves a tree that works on its own: the modules and hooks the
+    series has placed so far are rendered as the patches up to this one leave
+    them (``# in-tree:`` blocks), so a later patch that extends a hook or a
+    module shows as lines added to it. Raises :class:`AnchorError` naming the
+    patch, the file and the anchor when vLLM's file does not hold the place an
+    edit needs.
     """
     source = SourceTree(vllm_root(src))
     version = source.version() or "unknown"
@@ -238,24 +261,35 @@ def generate(src: Path | None = None) -> tuple[str, list[Generated]]:
     records = {p.name: p for p in for_series(ALL_PATCHES, series)}
     _check_records_covered(records)
     tree = _Tree(source)
-    done: set[str] = set()
+    modules: list[str] = []
+    hooked: list[Patch] = []
     out = []
     for number, up in enumerate(PATCHES, 1):
+        included = SLUGS[:number]
         before = dict(tree.current)
         own = [records[r] for r in up.records if r in records]
-        _add_modules(tree, up, done)
-        for edit in intree.option_edits(tree.text) if up.option_edits else ():
+        modules += [m for m in intree.closure(up.roots) if m not in modules]
+        if up.roots and tree.text(f"{intree.PKG_DIR}/__init__.py") is None:
+            tree.write(f"{intree.PKG_DIR}/__init__.py", intree.PACKAGE_INIT)
+        for mod in modules:
+            _write_new(
+                tree, intree.tree_path(mod), intree.module_text(mod, included, SLUGS)
+            )
+        for edit in intree.option_edits() if up.option_edits else ():
             _edit(tree, up, edit)
-        if own:
-            _add_hooks(tree, up, own)
+        _place_hooks(tree, up, own)
+        hooked += own
+        if hooked:
+            _write_new(
+                tree, f"{intree.PKG_DIR}/hooks.py", _hooks_text(hooked, included)
+            )
         if up.connector_edit:
             _edit(tree, up, _connector_edit())
-        if up.tests:
-            for name in (n for names in intree.TEST_FILES.values() for n in names):
-                tree.write(f"{intree.TESTS_DIR}/{name}", intree.test_text(name))
-            for init in ("tests/v1/kv_mem/__init__.py",):
-                if tree.text(init) is None:
-                    tree.write(init, "")
+        for name in up.tests:
+            _write_new(tree, f"{intree.TESTS_DIR}/{name}", intree.test_text(name))
+        if up.tests and tree.text(f"{intree.TESTS_DIR}/__init__.py") is None:
+            tree.write(f"{intree.TESTS_DIR}/__init__.py", "")
+        _check_imports(tree, up)
         changes = []
         for path in sorted(tree.current):
             after = tree.current[path]
@@ -265,19 +299,61 @@ def generate(src: Path | None = None) -> tuple[str, list[Generated]]:
             if prior != after:
                 changes.append((path, prior, after))
         gen = Generated(number, up, "", changes, frozenset(tree.new))
-        gen.message = _message(up, own, version, gen)
+        extended = [
+            r
+            for r in hooked
+            if r not in own
+            and f"\n{r.name} = _hook(" in tree.current[f"{intree.PKG_DIR}/hooks.py"]
+            and _hook_changed(r, included)
+        ]
+        gen.message = _message(up, own, extended, version, gen)
         out.append(gen)
-    _check_complete(done, list(records.values()))
     return version, out
 
 
-def _check_complete(placed: set[str], records: list[Patch]) -> None:
-    """Every plugin module the in-tree code imports (its modules and its
-    hooks, at import time or inside a function) is in the series."""
-    used = set(placed) | {m for r in records for m in intree.hook_imports(r)}
-    missing = sorted(set(intree.closure(used, top_level_only=False)) - placed)
-    if missing:
-        raise ValueError(f"in-tree code imports modules no patch adds: {missing}")
+def _write_new(tree: _Tree, path: str, text: str) -> None:
+    """A file the series adds, in vLLM's style."""
+    tree.write(path, style.format_python(path, text))
+
+
+def _hooks_text(hooked: list[Patch], included: tuple[str, ...]) -> str:
+    return intree.HOOKS_HEADER + "".join(
+        "\n\n" + intree.hook_source(rec, included, SLUGS) for rec in hooked
+    )
+
+
+def _hook_changed(record: Patch, included: tuple[str, ...]) -> bool:
+    """Whether this patch (the last of ``included``) adds lines to the hook."""
+    now = intree.hook_source(record, included, SLUGS)
+    return now != intree.hook_source(record, included[:-1], SLUGS)
+
+
+def _check_imports(tree: _Tree, up: UpstreamPatch) -> None:
+    """Every in-tree module and test the series has added so far imports only
+    modules that exist once this patch is applied: each patch runs alone."""
+    roots = {intree.PKG: intree.PKG_DIR, "tests.v1.kv_mem": intree.TESTS_DIR}
+    for path in sorted(tree.new):
+        if not path.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(tree.current[path])):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                base = next((r for r in roots if name.startswith(r)), None)
+                if base is None:
+                    continue
+                rel = name.removeprefix(base).lstrip(".").replace(".", "/")
+                where = f"{roots[base]}/{rel}".rstrip("/")
+                if tree.text(f"{where}.py") is None and (
+                    tree.text(f"{where}/__init__.py") is None
+                ):
+                    raise ValueError(
+                        f"patch {up.slug}: {path} imports {name}, which no patch "
+                        "up to this one adds"
+                    )
 
 
 def _check_records_covered(records: dict[str, Patch]) -> None:
@@ -287,18 +363,6 @@ def _check_records_covered(records: dict[str, Patch]) -> None:
     missing = sorted(set(records) - placed)
     if missing:
         raise ValueError(f"patch records with no in-tree form: {', '.join(missing)}")
-
-
-def _add_modules(tree: _Tree, up: UpstreamPatch, done: set[str]) -> None:
-    roots = list(up.roots)
-    for mod in intree.closure(roots):
-        if mod in done:
-            continue
-        done.add(mod)
-        tree.write(intree.tree_path(mod), intree.module_text(mod))
-    init = f"{intree.PKG_DIR}/__init__.py"
-    if roots and tree.text(init) is None:
-        tree.write(init, intree.PACKAGE_INIT)
 
 
 def _edit(tree: _Tree, up: UpstreamPatch, edit: Edit) -> None:
@@ -311,11 +375,9 @@ def _edit(tree: _Tree, up: UpstreamPatch, edit: Edit) -> None:
         raise AnchorError(f"patch {up.slug}: {edit.describe()}: {e}") from None
 
 
-def _add_hooks(tree: _Tree, up: UpstreamPatch, records: list[Patch]) -> None:
-    hooks_path = f"{intree.PKG_DIR}/hooks.py"
-    hooks = tree.text(hooks_path) or intree.HOOKS_HEADER
+def _place_hooks(tree: _Tree, up: UpstreamPatch, records: list[Patch]) -> None:
+    """One decorator line on each record's target, and the hooks import."""
     for rec in records:
-        hooks += "\n\n" + intree.hook_source(rec)
         path, scope = intree.hook_target(rec)
         text = tree.text(path)
         if text is None:
@@ -335,7 +397,6 @@ def _add_hooks(tree: _Tree, up: UpstreamPatch, records: list[Patch]) -> None:
             at = after_last_import(text)
             text = text[:at] + imp + text[at:]
         tree.write(path, text)
-    tree.write(hooks_path, hooks)
 
 
 def _connector_edit() -> Edit:
@@ -402,7 +463,11 @@ def _wrap(text: str, bullet: str = "") -> list[str]:
 
 
 def _message(
-    up: UpstreamPatch, records: list[Patch], version: str, gen: Generated
+    up: UpstreamPatch,
+    records: list[Patch],
+    extended: list[Patch],
+    version: str,
+    gen: Generated,
 ) -> str:
     parts = [*_wrap(up.summary), "", "## Purpose", ""]
     for doc, heading in up.docs:
@@ -438,9 +503,14 @@ def _message(
             "- ",
         )
         parts.append("")
-    if up.tests:
-        tests = [n for names in intree.TEST_FILES.values() for n in names]
-        parts += [f"- `{intree.TESTS_DIR}/{n}`" for n in tests] + [""]
+    for rec in extended:
+        parts += _wrap(
+            f"`kv_mem_hooks.{rec.name}` (on `{rec.target}`, added by an earlier "
+            "patch of this series) gains this patch's step; its other steps are "
+            "unchanged.",
+            "- ",
+        )
+        parts.append("")
     parts += ["## Test plan", ""]
     parts += _test_plan(up)
     if up.results:
@@ -455,11 +525,10 @@ def _message(
 
 
 def _test_plan(up: UpstreamPatch) -> list[str]:
-    unit = intree.TEST_FILES.get(up.slug, ())
     lines: list[str] = []
-    if unit:
-        names = ", ".join(f"`{intree.TESTS_DIR}/{n}`" for n in unit if n[:5] == "test_")
-        lines += _wrap(f"Unit tests (the tests patch of this series): {names}.", "- ")
+    if unit := [n for n in up.tests if n.startswith("test_")]:
+        names = ", ".join(f"`{intree.TESTS_DIR}/{n}`" for n in unit)
+        lines += _wrap(f"Unit tests (added by this patch): {names}.", "- ")
     lines += _wrap(
         "vllm-kvmem's `tests/test_upstream.py` applies this series to a copy "
         "of vLLM 0.32 and runs a pipeline of 2 on it with no plugin loaded "
