@@ -382,7 +382,8 @@ def test_place_import_in_vllm_files(path):
     ("text", "expected"),
     [
         # __future__, a TYPE_CHECKING block (ignored) and a block cut by code:
-        # the import joins the last block's vllm imports, sorted
+        # the import joins the first block's vllm imports, sorted (a late
+        # block after code would bind the name after the defs that use it)
         (
             "from __future__ import annotations\n\nimport os\n"
             "from typing import TYPE_CHECKING\n\nfrom vllm.config import A\n"
@@ -392,10 +393,10 @@ def test_place_import_in_vllm_files(path):
             "from vllm.v1.request import R  # noqa: E402\n",
             "from __future__ import annotations\n\nimport os\n"
             "from typing import TYPE_CHECKING\n\nfrom vllm.config import A\n"
+            "from vllm.v1.kv_mem import hooks as kv_mem_hooks\n"
             "from vllm.v1.worker import W\n\nif TYPE_CHECKING:\n"
             "    from vllm.zzz import Z\n\nlogger = 1\n\n"
             "from vllm.logger import init_logger  # noqa: E402\n"
-            "from vllm.v1.kv_mem import hooks as kv_mem_hooks\n"
             "from vllm.v1.request import R  # noqa: E402\n",
         ),
         # straight imports come first; a comment stays with its import
@@ -450,11 +451,6 @@ def series_files(patches: list[Path]) -> tuple[set[str], set[str]]:
     return added, edited - added  # a later patch may edit a file an earlier adds
 
 
-@pytest.mark.xfail(
-    reason="series.py does not yet route new files through style.format_python "
-    "and its import lines through style.place_import",
-    strict=False,
-)
 def test_the_series_is_in_vllm_style(series_032, patched_vllm):
     """Every Python file the series adds is formatted and lint-clean (E, F, I,
     UP) under vLLM's settings; every vLLM file it edits stays formatted if

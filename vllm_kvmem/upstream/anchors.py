@@ -119,18 +119,3 @@ def function_def_line(text: str, scope: str, file: str) -> tuple[int, str]:
     pos = _line_starts(text)[node.lineno - 1]
     indent = re.match(r"[ \t]*", text[pos:]).group(0)  # type: ignore[union-attr]
     return pos, indent
-
-
-def after_last_import(text: str) -> int:
-    """Offset just after the last import of the module's opening imports,
-    before its first class or function (where an import of the new package
-    goes; a module may import again further down)."""
-    imports = []
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            break
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            imports.append(node)
-    if not imports:
-        raise AnchorError("no top-level import")
-    return _line_starts(text)[imports[-1].end_lineno]  # type: ignore[index]

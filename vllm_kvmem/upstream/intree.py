@@ -242,10 +242,21 @@ def hook_source(
                 f"level ({type(value).__name__}); only constants can move in-tree"
             )
         consts.append(f"{name} = {value!r}")
-    doc = f"{record.target}: {record.why}"
+    doc = _string_lines(f"{record.target}: {record.why}", "    ")
     lines = [*consts, "" if consts else None, src.rstrip(), ""]
-    lines.append(f"{record.name} = _hook({maker}, {doc!r})")
+    lines.append(f"{record.name} = _hook(\n    {maker},\n{doc},\n)")
     return rewrite("\n".join(ln for ln in lines if ln is not None)) + "\n"
+
+
+def _string_lines(text: str, indent: str, width: int = 88) -> str:
+    """``text`` as a parenthesised run of string literals, each line within
+    ``width`` (ruff cannot split one long literal)."""
+    room = width - len(indent) - 4 - 2  # the inner indent, the quotes
+    chunks = textwrap.wrap(text, room, drop_whitespace=False, break_on_hyphens=False)
+    if any(len(repr(c)) > room + 2 for c in chunks):  # escapes: one per line
+        raise ValueError(f"cannot fit {text[:40]!r}... at {width} columns")
+    body = "\n".join(f"{indent}    {c!r}" for c in chunks)
+    return f"{indent}(\n{body}\n{indent})"
 
 
 def hook_target(record: Patch) -> tuple[str, str]:
@@ -296,6 +307,15 @@ def option_fields() -> list[tuple[str, str, str, str, bool]]:
     return out
 
 
+def _field_line(name: str, annotation: str) -> str:
+    """An ``EngineArgs`` field defaulting to ``CacheConfig``'s, as ruff writes
+    it (wrapped in parentheses past 88 columns, at the class's indent)."""
+    line = f"{name}: {annotation} = CacheConfig.{name}"
+    if len(line) + 4 <= 88:
+        return line
+    return f"{name}: {annotation} = (\n    CacheConfig.{name}\n)"
+
+
 def option_edits() -> list[Edit]:
     """``CacheConfig`` fields (left out of its hash: no option changes the
     compiled graph), ``EngineArgs`` fields, parser flags, the ``CacheConfig``
@@ -304,7 +324,7 @@ def option_edits() -> list[Edit]:
     cache = "\n".join(
         f"{n}: {a} = {d}\n{_docstring(doc, '')}\n" for n, a, d, doc, _ in fields
     )
-    args = "\n".join(f"{n}: {a} = CacheConfig.{n}" for n, a, _, _, _ in fields)
+    args = "\n".join(_field_line(n, a) for n, a, _, _, _ in fields)
     flags = []
     for name, *_ in fields:
         flag = "--" + name.replace("_", "-")

@@ -24,7 +24,6 @@ from vllm_kvmem.upstream import gitfmt, intree, style
 from vllm_kvmem.upstream.anchors import (
     AnchorError,
     Edit,
-    after_last_import,
     apply_edit,
     function_def_line,
 )
@@ -393,10 +392,7 @@ def _place_hooks(tree: _Tree, up: UpstreamPatch, records: list[Patch]) -> None:
             ) from None
         text = text[:pos] + f"{indent}@{intree.HOOKS_ALIAS}.{rec.name}\n" + text[pos:]
         imp = f"from {intree.PKG} import hooks as {intree.HOOKS_ALIAS}\n"
-        if imp not in text:
-            at = after_last_import(text)
-            text = text[:at] + imp + text[at:]
-        tree.write(path, text)
+        tree.write(path, style.place_import(text, imp))
 
 
 def _connector_edit() -> Edit:

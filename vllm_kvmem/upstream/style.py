@@ -177,8 +177,11 @@ def _split_lines(text: str) -> list[str]:
 def place_import(text: str, line: str) -> str:
     """``text`` (an existing vLLM module) with the import statement ``line``
     added where isort puts it among the module's top-level first-party
-    imports, no other line changed: in the last run of top-level imports
-    that holds ``vllm`` imports, at its sorted place there. Unchanged when
+    imports, no other line changed: in the first run of top-level imports
+    that holds ``vllm`` imports (the module's opening imports: the name must
+    be bound before any ``def`` below uses it; a late import after the
+    classes, such as ``vllm/v1/executor/abstract.py``'s, would come too late),
+    at its sorted place there. Unchanged when
     the module already has the line.
 
     A blank line comes with it only where ruff's sorting needs one: before
@@ -201,7 +204,7 @@ def place_import(text: str, line: str) -> str:
         raise ValueError("the module has no top-level import to join")
     ours = [b for b in blocks if any(_first_party(n) for n in b)]
     if ours:
-        block = ours[-1]
+        block = ours[0]
         section = [n for n in block if _first_party(n)]
         later = [n for n in section if _import_key(n) > key]
         if later:
