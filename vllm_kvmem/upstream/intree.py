@@ -387,7 +387,14 @@ def option_edits() -> list[Edit]:
 TESTS_DIR = "tests/v1/kv_mem"
 
 
-def test_text(name: str) -> str:
-    text = (TESTS / name).read_text()
+def test_names(entry: str | tuple[str, str]) -> tuple[str, str]:
+    """``(our file in tests/, its name in TESTS_DIR)``: one name for both, or a
+    ``(source, target)`` pair for a file renamed in vLLM's layout."""
+    return (entry, entry) if isinstance(entry, str) else entry
+
+
+def test_text(name: str | tuple[str, str]) -> str:
+    source, _target = test_names(name)
+    text = (TESTS / source).read_text()
     text = re.sub(r"\btests\.(\w+)\b", r"tests.v1.kv_mem.\1", text)
     return rewrite(text)

@@ -60,12 +60,16 @@ class UpstreamPatch:
     """``(doc file, heading)`` sections quoted in the message; heading "" is
     the part before the first section."""
     results: tuple[tuple[str, str], ...] = ()
-    tests: tuple[str, ...] = ()
-    """Our vLLM-free test modules (and the helpers they import) that go into
-    vLLM's test layout with this patch."""
+    tests: tuple[str | tuple[str, str], ...] = ()
+    """Our test modules (and the helpers they import) that go into vLLM's test
+    layout with this patch: a name, or ``(our name, vLLM's name)``."""
     option_edits: bool = False
     connector_edit: bool = False
 
+
+#: The engine tests, ``tests/kv_mem_engine.py`` here (not collected by our
+#: suite: ``tests/test_upstream_engines.py`` runs it in-tree and with the plugin).
+ENGINE_TESTS = ("kv_mem_engine.py", "test_engine.py")
 
 PATCHES: tuple[UpstreamPatch, ...] = (
     UpstreamPatch(
@@ -157,6 +161,7 @@ PATCHES: tuple[UpstreamPatch, ...] = (
             "test_wait_timer.py",
             "copy_checks.py",
             "test_copy_engine.py",
+            ENGINE_TESTS,
         ),
         connector_edit=True,
         docs=(
@@ -284,8 +289,9 @@ def generate(src: Path | None = None) -> tuple[str, list[Generated]]:
             )
         if up.connector_edit:
             _edit(tree, up, _connector_edit())
-        for name in up.tests:
-            _write_new(tree, f"{intree.TESTS_DIR}/{name}", intree.test_text(name))
+        for entry in up.tests:
+            _, name = intree.test_names(entry)
+            _write_new(tree, f"{intree.TESTS_DIR}/{name}", intree.test_text(entry))
         if up.tests and tree.text(f"{intree.TESTS_DIR}/__init__.py") is None:
             tree.write(f"{intree.TESTS_DIR}/__init__.py", "")
         _check_imports(tree, up)
@@ -522,16 +528,32 @@ def _message(
 
 def _test_plan(up: UpstreamPatch) -> list[str]:
     lines: list[str] = []
-    if unit := [n for n in up.tests if n.startswith("test_")]:
+    engine = f"`{intree.TESTS_DIR}/{ENGINE_TESTS[1]}`"
+    added = [intree.test_names(e)[1] for e in up.tests]
+    if unit := [n for n in added if n.startswith("test_") and n != ENGINE_TESTS[1]]:
         names = ", ".join(f"`{intree.TESTS_DIR}/{n}`" for n in unit)
         lines += _wrap(f"Unit tests (added by this patch): {names}.", "- ")
+    if ENGINE_TESTS in up.tests:
+        lines += _wrap(
+            f"Engine tests (added by this patch): {engine}: a pipeline of 2 "
+            "with `--enable-pp-prop-kv-cache`, a pipeline-wide budget and the "
+            "host tier (every stage holds the blocks of the proportional split, "
+            "the layout is BLHNC, a second pass hits the host tier with "
+            "identical greedy tokens), and one stage sized in tokens "
+            "(`--kv-cache-tokens`: exactly the blocks the tokens need); both "
+            "check the startup capacity table. They run the small local model "
+            "that `KV_MEM_TEST_MODEL` names and skip without it; the pipeline "
+            "runs on CPU only.",
+            "- ",
+        )
     lines += _wrap(
-        "vllm-kvmem's `tests/test_upstream.py` applies this series to a copy "
-        "of vLLM 0.32 and runs a pipeline of 2 on it with no plugin loaded "
-        "(VLLM_PLUGINS excludes it, and `vllm_kvmem` cannot be imported): "
-        "per-rank blocks of the split, the token budget, the layout choice and "
-        "host-tier hits with identical greedy output, compared with the "
-        "plugin's figures.",
+        "vllm-kvmem's `tests/test_upstream_engines.py` applies this series to "
+        f"a copy of vLLM 0.32 and runs {engine} on it with no plugin loaded "
+        "(VLLM_PLUGINS excludes it, and `vllm_kvmem` cannot be imported), then "
+        "the same tests with the vllm-kvmem plugin on unmodified vLLM: both "
+        "pass, and their reports (per-rank blocks, layers, page size, layout "
+        "and capacity, greedy and cached tokens, the capacity table) are equal "
+        "field by field.",
         "- ",
     )
     lines += _wrap(
