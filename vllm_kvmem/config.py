@@ -1,10 +1,11 @@
 """The one typed configuration of vllm-kvmem, and how it rides in vLLM's config.
 
-Every option reaches the engine the same way, whichever door it came in by
-(a server flag, an ``LLM(...)`` keyword argument, or
-``additional_config={"kvmem": {...}}``): it is validated here and stored,
-normalised, in ``VllmConfig.additional_config["kvmem"]``, which vLLM already
-ships to the engine core and to every worker process.
+Every option is validated here, whichever door it came in by (a server flag
+or an ``LLM(...)`` keyword argument). In vLLM's own tree the options are
+``CacheConfig`` fields. Under the plugin (which can add no field to vLLM's
+configs) they are stored, normalised, in
+``VllmConfig.additional_config["kvmem"]``, which vLLM already ships to the
+engine core and to every worker process, and that mapping is a third door.
 """
 
 from __future__ import annotations

@@ -40,9 +40,14 @@ TESTS = SRC.parent / "tests"
 _NAME = re.compile(r"\bvllm_kvmem\b")
 
 
+_PROJECT = re.compile(r"\bvllm-kvmem\b")
+
+
 def rewrite(text: str) -> str:
-    """Plugin source as in-tree source: ``vllm_kvmem`` becomes the new package."""
-    return _NAME.sub(PKG, text)
+    """Plugin source as in-tree source: ``vllm_kvmem`` becomes the new package,
+    and the project's name in prose and messages (``vllm-kvmem``) the
+    package's (``kv_mem``): in vLLM's tree there is no other project."""
+    return _PROJECT.sub("kv_mem", _NAME.sub(PKG, text))
 
 
 PLUGIN_ONLY = "plugin-only"
