@@ -211,7 +211,10 @@ WORDS = (
 
 
 def documents(n: int) -> list[str]:
-    """About 1,000 tokens each (8 CPU blocks), distinct from each other."""
+    """About 1,000 tokens each (8 CPU blocks), distinct from each other: the
+    demo's documents (``vllm_kvmem.demo.documents``), written out here because
+    this test goes into vLLM's tree and may import nothing of ours;
+    ``tests/test_upstream_engines.py`` checks the two agree."""
     return [
         " ".join(WORDS[(i * k + k) % len(WORDS)] + str(k % 7) for i in range(400))
         + " question"

@@ -233,3 +233,14 @@ def test_budget_runs_in_tree_without_plugin_and_with_it_on_unmodified_vllm(
 @pytest.mark.engine
 def test_patched_vllm_token_budget_results_equal_the_plugins(budget_runs):
     assert_equal_runs(budget_runs)
+
+
+def test_the_engine_tests_read_the_demos_documents():
+    """The in-tree engine test writes the demo's documents out (it may import
+    nothing of ours); they must stay the same documents."""
+    from tests import kv_mem_engine
+    from vllm_kvmem.demo import WORDS as demo_words
+    from vllm_kvmem.demo import documents
+
+    assert kv_mem_engine.documents(6) == documents(6)
+    assert kv_mem_engine.WORDS == demo_words
