@@ -127,9 +127,10 @@ PATCHES: tuple[UpstreamPatch, ...] = (
         "bytes, blocks, tokens and concurrency.",
         roots=("token_budget", "capacity_table"),
         docs=(
+            ("kv-planning.md", "A budget without and with `--enable-pp-prop-kv-cache`"),
             ("kv-planning.md", "Blocks a request needs, and the null block"),
-            ("pp-proportional-kv-cache.md", "What you see in the logs"),
         ),
+        results=(("pp-proportional-kv-cache.md", "What you see in the logs"),),
     ),
     UpstreamPatch(
         "contiguous-kv-layout",
