@@ -42,7 +42,7 @@ def blob_id(text: str) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _lines(text: str) -> list[str]:
+def split_lines(text: str) -> list[str]:
     """``text`` split after each ``\\n`` (the last line may lack one)."""
     parts = text.split("\n")
     out = [p + "\n" for p in parts[:-1]]
@@ -136,9 +136,9 @@ def _sorted(changes: list[Change]) -> list[Change]:
     return sorted(kept, key=lambda c: c[0].encode())
 
 
-def _counts(before: str | None, after: str) -> tuple[int, int]:
+def counts(before: str | None, after: str) -> tuple[int, int]:
     """Lines added and removed, as the diff of this module shows them."""
-    hunk = _hunks(_lines(before or ""), _lines(after))
+    hunk = _hunks(split_lines(before or ""), split_lines(after))
     add = sum(line.startswith("+") for line in hunk)
     rem = sum(line.startswith("-") for line in hunk)
     return add, rem
@@ -154,7 +154,7 @@ def diff_text(changes: list[Change]) -> str:
             out.append(f"new file mode 100644\nindex {NULL_ID}..{new}\n")
         else:
             out.append(f"index {blob_id(before)}..{new} 100644\n")
-        hunks = _hunks(_lines(before or ""), _lines(after))
+        hunks = _hunks(split_lines(before or ""), split_lines(after))
         if not hunks:  # an empty new file: git shows no ---/+++ lines
             continue
         out.append("--- /dev/null\n" if before is None else f"--- a/{path}\n")
@@ -175,7 +175,7 @@ def _plural(n: int, one: str, many: str) -> str:
 def diffstat(changes: list[Change]) -> str:
     """``git format-patch``'s ``--stat --summary`` of the changes (no
     trailing newline): git's ``show_stats`` at width 72."""
-    rows = [(path, *_counts(before, after)) for path, before, after in _sorted(changes)]
+    rows = [(path, *counts(before, after)) for path, before, after in _sorted(changes)]
     if not rows:
         return " 0 files changed"
     max_len = max(len(p) for p, _, _ in rows)

@@ -126,8 +126,6 @@ def _imports(name: str, top_level_only: bool) -> set[str]:
                 rel = mod.removeprefix("vllm_kvmem.")
                 if _exists(rel):
                     found.add(rel)
-            elif mod == "vllm_kvmem":
-                pass
     return found
 
 

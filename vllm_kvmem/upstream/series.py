@@ -11,7 +11,6 @@ from ``docs/`` and from the patch records.
 from __future__ import annotations
 
 import ast
-import difflib
 import importlib.util
 import re
 import textwrap
@@ -219,13 +218,9 @@ class Generated:
                     (before or "").splitlines()
                 )
                 continue
-            for line in difflib.unified_diff(
-                before.splitlines(), after.splitlines(), lineterm="", n=0
-            ):
-                if line.startswith(("+++", "---")):
-                    continue
-                out["vllm_added"] += line.startswith("+")
-                out["vllm_removed"] += line.startswith("-")
+            added, removed = gitfmt.counts(before, after)
+            out["vllm_added"] += added
+            out["vllm_removed"] += removed
         return out
 
 
@@ -236,6 +231,8 @@ class _Tree:
         self.source = source
         self.current: dict[str, str] = {}
         self.new: set[str] = set()
+        self.unformatted: dict[str, str] = {}
+        """The text each added file had before formatting (``_write_new``)."""
 
     def text(self, path: str) -> str | None:
         if path in self.current:
@@ -305,20 +302,19 @@ def generate(src: Path | None = None) -> tuple[str, list[Generated]]:
             if prior != after:
                 changes.append((path, prior, after))
         gen = Generated(number, up, "", changes, frozenset(tree.new))
-        extended = [
-            r
-            for r in hooked
-            if r not in own
-            and f"\n{r.name} = _hook(" in tree.current[f"{intree.PKG_DIR}/hooks.py"]
-            and _hook_changed(r, included)
-        ]
+        extended = [r for r in hooked if r not in own and _hook_changed(r, included)]
         gen.message = _message(up, own, extended, version, gen)
         out.append(gen)
     return version, out
 
 
 def _write_new(tree: _Tree, path: str, text: str) -> None:
-    """A file the series adds, in vLLM's style."""
+    """A file the series adds, in vLLM's style; formatted again only when an
+    earlier patch left it with other text (most modules do not change from
+    one patch to the next, and ruff runs twice per file)."""
+    if tree.unformatted.get(path) == text:
+        return
+    tree.unformatted[path] = text
     tree.write(path, style.format_python(path, text))
 
 

@@ -38,6 +38,8 @@ import re
 import subprocess
 import sys
 
+from vllm_kvmem.upstream import gitfmt
+
 LINE_LENGTH = 88
 FIRST_PARTY = ("vllm", "tests")
 SETTINGS = (
@@ -168,12 +170,6 @@ def _import_blocks(tree: ast.Module) -> list[list[ast.Import | ast.ImportFrom]]:
     return [block for block in blocks if block]
 
 
-def _split_lines(text: str) -> list[str]:
-    """Lines as Python numbers them (after each ``\\n``)."""
-    parts = text.split("\n")
-    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
-
-
 def place_import(text: str, line: str) -> str:
     """``text`` (an existing vLLM module) with the import statement ``line``
     added where isort puts it among the module's top-level first-party
@@ -195,7 +191,7 @@ def place_import(text: str, line: str) -> str:
         raise ValueError(f"not one first-party import statement: {line!r}")
     if len(line) - 1 > LINE_LENGTH:
         raise ValueError(f"longer than {LINE_LENGTH} columns: {line!r}")
-    lines = _split_lines(text)
+    lines = gitfmt.split_lines(text)
     if line in lines or line.rstrip("\n") in lines:
         return text
     key = _import_key(statement[0])
