@@ -9,14 +9,18 @@ test modules share live in ``tests/helpers.py``.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.upstream_tree import apply_series, copy_vllm, no_plugin_shim
+from tests.upstream_tree import (
+    apply_series,
+    copy_vllm,
+    no_plugin_env,
+    no_plugin_shim,
+)
 from vllm_kvmem.tiny_model import build_tiny_model
 
 
@@ -107,12 +111,5 @@ def patched_vllm(tmp_path_factory, series_032) -> Path:
 def no_plugin(tmp_path_factory, patched_vllm) -> tuple[dict[str, str], Path]:
     """Environment and working folder of a process that runs the patched vLLM
     and cannot import ``vllm_kvmem``."""
-    from vllm_kvmem.demo_engine import engine_env
-
     shim = no_plugin_shim(tmp_path_factory.mktemp("no_plugin"))
-    env = engine_env(
-        PYTHONPATH=f"{patched_vllm}{os.pathsep}{shim}",
-        VLLM_PLUGINS="",  # no general plugin: vllm-kvmem's entry point is skipped
-        VLLM_LOGGING_LEVEL="INFO",
-    )
-    return env, shim
+    return no_plugin_env(patched_vllm, shim, VLLM_LOGGING_LEVEL="INFO"), shim

@@ -8,7 +8,6 @@ copy are in ``test_upstream_engines.py``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -175,12 +174,11 @@ def test_each_patch_runs_on_its_own(tmp_path, series_032, model_8l):
     with no plugin: every in-tree module imports, and the options have exactly
     the effects of the patches applied so far (a patch's check is live from
     that patch on, and inert before it)."""
-    from tests.upstream_tree import copy_vllm, no_plugin_shim
-    from vllm_kvmem.demo_engine import engine_env
+    from tests.upstream_tree import copy_vllm, no_plugin_env, no_plugin_shim
 
     root = copy_vllm(tmp_path / "tree")
     shim = no_plugin_shim(tmp_path / "shim")
-    env = engine_env(PYTHONPATH=f"{root}{os.pathsep}{shim}", VLLM_PLUGINS="")
+    env = no_plugin_env(root, shim)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     seen = []
     for patch, up_patch in zip(series_032, up.PATCHES, strict=True):

@@ -193,46 +193,30 @@ def reports(tmp_path_factory):
     return lambda world: tmp_path_factory.mktemp(f"kv_mem_engine_{world}")
 
 
-# ------------------------------------------- pipeline of 2, host tier
+# ------------------------------------------------------------ the engines
+
+#: The engine tests of ``tests/kv_mem_engine.py``, by the id pytest shows: a
+#: pipeline of 2 with the split, the layout and the host tier; a single
+#: stage sized in tokens.
+ENGINES = {
+    "pp": "test_pp_prop_budget_layout_and_host_tier",
+    "tokens": "test_kv_cache_tokens_sizes_the_cache",
+}
 
 
-@pytest.fixture(scope="module")
-def pp_runs(no_plugin, patched_vllm, model_8l, reports) -> Pair:
-    test = "test_pp_prop_budget_layout_and_host_tier"
-    return _both(no_plugin, patched_vllm, model_8l, test, reports)
-
-
-@pytest.mark.engine
-def test_pp_runs_in_tree_without_plugin_and_with_it_on_unmodified_vllm(
-    pp_runs, patched_vllm
-):
-    assert_sources(pp_runs, patched_vllm)
-
-
-@pytest.mark.engine
-def test_patched_vllm_pp_results_equal_the_plugins(pp_runs):
-    assert_equal_runs(pp_runs)
-
-
-# ------------------------------------------- single stage, token budget
-
-
-@pytest.fixture(scope="module")
-def budget_runs(no_plugin, patched_vllm, model_8l, reports) -> Pair:
-    test = "test_kv_cache_tokens_sizes_the_cache"
-    return _both(no_plugin, patched_vllm, model_8l, test, reports)
+@pytest.fixture(scope="module", params=list(ENGINES))
+def runs(request, no_plugin, patched_vllm, model_8l, reports) -> Pair:
+    return _both(no_plugin, patched_vllm, model_8l, ENGINES[request.param], reports)
 
 
 @pytest.mark.engine
-def test_budget_runs_in_tree_without_plugin_and_with_it_on_unmodified_vllm(
-    budget_runs, patched_vllm
-):
-    assert_sources(budget_runs, patched_vllm)
+def test_runs_in_tree_without_plugin_and_with_it_on_unmodified_vllm(runs, patched_vllm):
+    assert_sources(runs, patched_vllm)
 
 
 @pytest.mark.engine
-def test_patched_vllm_token_budget_results_equal_the_plugins(budget_runs):
-    assert_equal_runs(budget_runs)
+def test_patched_vllm_results_equal_the_plugins(runs):
+    assert_equal_runs(runs)
 
 
 def test_the_engine_tests_read_the_demos_documents():

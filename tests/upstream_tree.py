@@ -44,6 +44,16 @@ def copy_vllm(dest: Path) -> Path:
     return dest
 
 
+def no_plugin_env(root: Path, shim: Path, **extra: str) -> dict[str, str]:
+    """The environment of a process that runs the vLLM copy under ``root``
+    with no plugin: the copy and ``shim`` (:func:`no_plugin_shim`) first on
+    the path, and ``VLLM_PLUGINS`` empty, so vllm-kvmem's entry point is
+    skipped."""
+    from vllm_kvmem.demo_engine import engine_env
+
+    return engine_env(PYTHONPATH=f"{root}{os.pathsep}{shim}", VLLM_PLUGINS="", **extra)
+
+
 def no_plugin_shim(folder: Path) -> Path:
     """A folder whose ``vllm_kvmem`` raises on import: first on the path of a
     process that must run the in-tree vLLM without the plugin."""
