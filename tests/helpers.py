@@ -45,14 +45,20 @@ class EngineRun:
         return self.report["ranks"]
 
 
-def run_probe(code: str, timeout: float = ENGINE_TIMEOUT_S, **env: str) -> dict:
-    """Run ``code`` in a fresh Python process (vLLM decides its platform and
-    loads plugins once per process) and return the JSON it prints on its last
-    ``REPORT `` line. ``VLLM_PLUGINS`` is cleared unless ``env`` sets it."""
+def run_probe(
+    code: str,
+    timeout: float = ENGINE_TIMEOUT_S,
+    python: str | None = None,
+    **env: str,
+) -> dict:
+    """Run ``code`` in a fresh process of ``python`` (default: this
+    interpreter; vLLM decides its platform and loads plugins once per
+    process) and return the JSON it prints on its last ``REPORT `` line.
+    ``VLLM_PLUGINS`` is cleared unless ``env`` sets it."""
     full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     full.update(VLLM_LOGGING_LEVEL="WARNING", **env)
     done = subprocess.run(
-        [sys.executable, "-c", code],
+        [python or sys.executable, "-c", code],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -71,29 +77,39 @@ _RUNS: dict[str, EngineRun] = {}
 
 
 def run_engine(
-    llm_kwargs: dict[str, Any], workload: dict[str, Any] | None = None, **env: str
+    llm_kwargs: dict[str, Any],
+    workload: dict[str, Any] | None = None,
+    python: str | None = None,
+    **env: str,
 ) -> EngineRun:
     """Start ``LLM(**llm_kwargs)`` in a subprocess, generate, report per rank;
     a run with the same arguments earlier in the session is reused.
 
     ``workload``: ``prompts``, ``max_tokens``, ``rounds`` and ``sequential`` for
-    ``vllm_kvmem.demo_engine.run``. The engine starts in the repository root,
-    so ``tests.*`` modules (the example connector) import there.
+    ``vllm_kvmem.demo_engine.run``. ``python``: the interpreter, and so the
+    vLLM, that runs the engine (the ``vllm_python`` fixture; default: this
+    one). The engine starts in the repository root, so ``tests.*`` modules
+    (the example connector) import there.
     """
-    key = json.dumps([llm_kwargs, workload or {}, env], sort_keys=True)
+    python = python or sys.executable
+    key = json.dumps([llm_kwargs, workload or {}, python, env], sort_keys=True)
     if key not in _RUNS:
-        _RUNS[key] = _start_engine(llm_kwargs, workload, **env)
+        _RUNS[key] = _start_engine(llm_kwargs, workload, python, **env)
     return _RUNS[key]
 
 
 def _start_engine(
-    llm_kwargs: dict[str, Any], workload: dict[str, Any] | None, **env: str
+    llm_kwargs: dict[str, Any],
+    workload: dict[str, Any] | None,
+    python: str,
+    **env: str,
 ) -> EngineRun:
     code, log, report = run_subprocess(
         llm_kwargs,
         workload,
         timeout=ENGINE_TIMEOUT_S,
         cwd=str(ROOT),
+        python=python,
         VLLM_LOGGING_LEVEL="INFO",
         **env,
     )
@@ -257,3 +273,16 @@ def worker_specs(cfg, layers_per_stage, tp=1, heads=None):
         cfg, [["LBHNC"]] * len(out), [s for d in out for s in d.values()]
     )
     return out
+
+
+# -- vLLM releases -------------------------------------------------------------
+
+#: Parametrize an engine test over both vLLM releases (the ``vllm_python``
+#: fixture in conftest.py): it runs on this interpreter's vLLM 0.32 and on the
+#: 0.33 environment (``make setup-033``).
+both_vllms = pytest.mark.parametrize(
+    "vllm_python", ["0.32", "0.33"], indirect=True, ids=["vllm032", "vllm033"]
+)
+on_vllm033 = pytest.mark.parametrize(
+    "vllm_python", ["0.33"], indirect=True, ids=["vllm033"]
+)

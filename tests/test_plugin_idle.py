@@ -1,7 +1,7 @@
 """No kvmem flag, no change: the plugin installed and idle is invisible.
 
 The same in-process engine, and the same introspection of vLLM's options,
-once with the plugin disabled (``VLLM_PLUGINS`` naming every plugin but
+on vLLM 0.32 and on 0.33 (``make setup-033``), once with the plugin disabled (``VLLM_PLUGINS`` naming every plugin but
 vllm-kvmem) and once with it registered through vLLM's entry point, both
 with no kvmem flag. Compared: the resolved KV cache config of every rank
 (blocks, layout, tensor sizes and strides), the greedy output, the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import run_engine, run_probe
+from tests.helpers import both_vllms, run_engine, run_probe
 
 pytestmark = pytest.mark.engine
 
@@ -25,7 +25,10 @@ import inspect, json
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # vLLM's own loading, honouring VLLM_PLUGINS
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
+try:  # vLLM 0.33 moved the server's parser
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm_kvmem.config import KVMemConfig
 
@@ -33,10 +36,9 @@ ours = {KVMemConfig.flag(n) for n in KVMemConfig.option_names()}
 parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 options = {}
 for action in parser._actions:
-    names = [o for o in action.option_strings
-             if o not in ours and o.replace("--no-", "--", 1) not in ours]
-    if action.option_strings and not names:
-        continue  # a vllm-kvmem flag
+    if action.dest in KVMemConfig.option_names():
+        continue  # a vllm-kvmem flag (and its negative: --no-X on 0.32,
+                  # --disable-X for an --enable-X flag on 0.33)
     key = " ".join(action.option_strings) or action.dest
     options[key] = [repr(action.default), action.help, repr(action.choices),
                     type(action).__name__]
@@ -49,8 +51,8 @@ print("REPORT " + json.dumps({
 """
 
 
-def _options(**env: str) -> dict:
-    return run_probe(OPTIONS_PROBE, **env)
+def _options(python: str, **env: str) -> dict:
+    return run_probe(OPTIONS_PROBE, python=python, **env)
 
 
 def _differences(without: dict, with_plugin: dict, where: str = "") -> list[str]:
@@ -65,8 +67,9 @@ def _differences(without: dict, with_plugin: dict, where: str = "") -> list[str]
     return out
 
 
-def test_options_are_vllms_own_with_the_plugin_registered():
-    without, with_plugin = _options(**DISABLED), _options()
+@both_vllms
+def test_options_are_vllms_own_with_the_plugin_registered(vllm_python):
+    without, with_plugin = _options(vllm_python, **DISABLED), _options(vllm_python)
     # The plugin did load: its flags are offered (and nothing else changed).
     assert without["kvmem flags in --help"] == []
     assert with_plugin["kvmem flags in --help"]
@@ -74,7 +77,8 @@ def test_options_are_vllms_own_with_the_plugin_registered():
     assert _differences(without, with_plugin) == []
 
 
-def test_engine_with_no_kvmem_flag_is_vllms_own(model_8l):
+@both_vllms
+def test_engine_with_no_kvmem_flag_is_vllms_own(model_8l, vllm_python):
     kwargs = dict(
         model=str(model_8l),
         kv_cache_memory_bytes=32 << 20,
@@ -83,8 +87,8 @@ def test_engine_with_no_kvmem_flag_is_vllms_own(model_8l):
     )
     workload = {"prompts": ["The KV cache", "A pipeline of two"], "max_tokens": 8}
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    without = run_engine(kwargs, workload, **env, **DISABLED)
-    with_plugin = run_engine(kwargs, workload, **env)
+    without = run_engine(kwargs, workload, vllm_python, **env, **DISABLED)
+    with_plugin = run_engine(kwargs, workload, vllm_python, **env)
     assert without.returncode == 0, without.log[-4000:]
     assert with_plugin.returncode == 0, with_plugin.log[-4000:]
     # Really disabled, and really on: the plugin's capacity table (its only

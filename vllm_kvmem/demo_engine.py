@@ -48,12 +48,14 @@ def run_subprocess(
     workload: dict[str, Any] | None = None,
     timeout: float | None = None,
     cwd: str | None = None,
+    python: str | None = None,
     **env: str,
 ) -> tuple[int, str, dict[str, Any] | None]:
-    """Run :func:`run` in a fresh process; return (exit code, output, report)."""
+    """Run :func:`run` in a fresh process of ``python`` (default: this
+    interpreter); return (exit code, output, report)."""
     proc = subprocess.run(
         [
-            sys.executable,
+            python or sys.executable,
             "-m",
             "vllm_kvmem.demo_engine",
             json.dumps(llm_kwargs),
