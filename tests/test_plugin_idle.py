@@ -1,12 +1,13 @@
 """No kvmem flag, no change: the plugin installed and idle is invisible.
 
 The same in-process engine, and the same introspection of vLLM's options,
-on vLLM 0.32 and on 0.33 (``make setup-033``), once with the plugin disabled (``VLLM_PLUGINS`` naming every plugin but
-vllm-kvmem) and once with it registered through vLLM's entry point, both
-with no kvmem flag. Compared: the resolved KV cache config of every rank
-(blocks, layout, tensor sizes and strides), the greedy output, the
-signatures of ``EngineArgs`` and ``AsyncEngineArgs``, and the server's
-``--help`` for vLLM's own options. Any difference fails, naming it.
+on vLLM 0.32 and on 0.33 (``make setup-033``), once with the plugin
+disabled (``VLLM_PLUGINS`` naming every plugin but vllm-kvmem) and once with
+it registered through vLLM's entry point, both with no kvmem flag.
+Compared: the resolved KV cache config of every rank (blocks, layout,
+tensor sizes and strides), the greedy output, the signatures of
+``EngineArgs`` and ``AsyncEngineArgs``, and the server's ``--help`` for
+vLLM's own options. Any difference fails, naming it.
 """
 
 from __future__ import annotations
