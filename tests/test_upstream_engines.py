@@ -23,38 +23,20 @@ capacity table.
 
 from __future__ import annotations
 
-import json
-import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import RANK_FIELDS, ROOT, Run, assert_runs_equal, run_engine_test
 from tests.helpers import engine_env as plugin_engine_env
 from vllm_kvmem.upstream import intree
 from vllm_kvmem.upstream.series import ENGINE_TESTS
 
-ENGINE_TIMEOUT_S = 420
 PLUGIN_FILE = ROOT / "tests" / ENGINE_TESTS[0]
 INTREE_FILE = f"{intree.TESTS_DIR}/{ENGINE_TESTS[1]}"
-# Run along with each engine test: no engine, milliseconds.
-PARSER_TEST = "test_capacity_tables_strip_the_prefixes"
 
 # ------------------------------------------------------------------ runs
-
-
-@dataclass(frozen=True)
-class Run:
-    report: dict[str, Any]
-    output: str
-
-    @property
-    def ranks(self) -> list[dict[str, Any]]:
-        return self.report["ranks"]
 
 
 @dataclass(frozen=True)
@@ -66,87 +48,28 @@ class Pair:
     plugin: Run
 
 
-def _pytest(
-    file: Path, test: str, env: dict[str, str], cwd: Path, model: Path, reports: Path
-) -> Run:
-    """``python -m pytest`` on ``test`` (and the table parser's test) of
-    ``file``; both must pass, and ``test`` must write its report."""
-    nodes = [f"{file}::{test}", f"{file}::{PARSER_TEST}"]
-    env = {**env, "KV_MEM_TEST_MODEL": str(model), "KV_MEM_TEST_REPORT": str(reports)}
-    done = subprocess.run(
-        [
-            *(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"),
-            *("--noconftest", *nodes),
-        ],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-    )
-    output = done.stdout + done.stderr
-    summary = done.stdout.strip().splitlines()[-1:] or [""]
-    assert done.returncode == 0 and re.match(r"2 passed\b", summary[0]), output[-8000:]
-    path = reports / f"{test}.json"
-    assert path.is_file(), output[-4000:]
-    return Run(json.loads(path.read_text()), output)
-
-
 def _both(no_plugin, patched_vllm: Path, model: Path, test: str, reports) -> Pair:
     """The engine test in-tree, then with the plugin."""
     base, shim = no_plugin
     # cwd: the shim, not the repository: its vllm_kvmem must stay out of reach.
-    intree_run = _pytest(
+    intree_run = run_engine_test(
         patched_vllm / INTREE_FILE, test, base, shim, model, reports("intree")
     )
     # The plugin's environment: the installed vLLM (no PYTHONPATH of ours),
     # every general plugin loaded (VLLM_PLUGINS unset), as tests.helpers runs
     # plugin engines.
     plugin_env = {k: v for k, v in plugin_engine_env().items() if k != "VLLM_PLUGINS"}
-    plugin_run = _pytest(PLUGIN_FILE, test, plugin_env, ROOT, model, reports("plugin"))
+    plugin_run = run_engine_test(
+        PLUGIN_FILE, test, plugin_env, ROOT, model, reports("plugin")
+    )
     return Pair(intree_run, plugin_run)
 
 
 # ------------------------------------------------------------- comparisons
 
-RANK_FIELDS = (
-    "layers",
-    "num_blocks",
-    "page_bytes",
-    "layout",
-    "tokens",
-    "tokens_one_block_less",
-)
-_MISSING = "<missing>"
-
-
-def _fields(run: Run) -> dict[str, Any]:
-    """What must be equal between the two runs, by a name a failure shows."""
-    out: dict[str, Any] = {"ranks": [r["rank"] for r in run.ranks]}
-    for r in run.ranks:
-        for f in RANK_FIELDS:
-            out[f"rank {r['rank']} {f}"] = r[f]
-    out["rounds"] = len(run.report["rounds"])
-    for i, rnd in enumerate(run.report["rounds"]):
-        out[f"round {i} token_ids"] = rnd["token_ids"]
-        out[f"round {i} num_cached_tokens"] = rnd["cached"]
-    tables = run.report["capacity_tables"]
-    out["capacity tables"] = len(tables)
-    for i, table in enumerate(tables):
-        out[f"capacity table {i} lines"] = len(table)
-        for j, line in enumerate(table):
-            out[f"capacity table {i} line {j}"] = line
-    return out
-
 
 def assert_equal_runs(pair: Pair) -> None:
-    a, b = _fields(pair.intree), _fields(pair.plugin)
-    diffs = []
-    for k in [*a, *(k for k in b if k not in a)]:
-        x, y = a.get(k, _MISSING), b.get(k, _MISSING)
-        if x != y:
-            diffs.append(f"  {k}:\n    in-tree {x!r}\n    plugin  {y!r}")
-    assert not diffs, "the in-tree run differs from the plugin's:\n" + "\n".join(diffs)
+    assert_runs_equal(pair.intree, pair.plugin, ("in-tree", "plugin"))
 
 
 def test_a_difference_names_its_field():
@@ -164,6 +87,7 @@ def test_a_difference_names_its_field():
     with pytest.raises(AssertionError) as err:
         assert_equal_runs(Pair(a, b))
     lines = [ln.strip() for ln in str(err.value).splitlines()]
+    assert lines[0] == "the in-tree run differs from the plugin run:"
     assert lines[1:7] == [
         "rank 0 num_blocks:",
         "in-tree 1",
