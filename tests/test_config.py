@@ -3,11 +3,19 @@ the same result, and bad input fails at startup naming the flag."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from tests.helpers import captured_log, engine_args_from_cli, messages
+from tests.helpers import (
+    both_vllms,
+    captured_log,
+    engine_args_from_cli,
+    messages,
+    run_probe,
+)
 from vllm_kvmem.config import KVMemConfig
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.
@@ -170,3 +178,65 @@ def test_options_are_parsed_once_per_process(monkeypatch):
     vllm_config.additional_config["kvmem"] = {"enable_pp_prop_kv_cache": 1}
     with pytest.raises(ValueError, match="--enable-pp-prop-kv-cache"):
         KVMemConfig.from_vllm_config(vllm_config)
+
+
+# What a user of each vLLM release is told for bad input, in a fresh process
+# of that release (vllm-kvmem registered, as `LLM` users do).
+REFUSALS_PROBE = """
+import json, os, sys
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+import vllm_kvmem
+vllm_kvmem.register()
+from vllm.engine.arg_utils import EngineArgs
+out = {}
+for name, kwargs in json.loads(sys.argv[1]).items():
+    try:
+        EngineArgs(**kwargs).create_engine_config()
+        out[name] = None
+    except (ValueError, TypeError) as e:
+        out[name] = str(e)
+print("REPORT " + json.dumps(out))
+"""
+
+REFUSALS = {
+    "tokens not a size": (
+        dict(kv_cache_tokens="lots"),
+        "--kv-cache-tokens (additional_config['kvmem']['kv_cache_tokens']): "
+        "invalid value 'lots': not a size: 'lots' (use e.g. 400000, 400k, 512K)",
+    ),
+    "pp flag without a budget": (
+        dict(enable_pp_prop_kv_cache=True, pipeline_parallel_size=2),
+        "--enable-pp-prop-kv-cache needs --kv-cache-memory-bytes",
+    ),
+    "tokens and bytes": (
+        dict(kv_cache_tokens=4096, kv_cache_memory_bytes=64 << 20),
+        "--kv-cache-tokens 4,096 and --kv-cache-memory-bytes 67,108,864 both size "
+        "the KV cache; give one of them",
+    ),
+    "unknown key": (
+        dict(additional_config={"kvmem": {"enable_pp_prop": True}}),
+        "unknown vllm-kvmem option(s) 'enable_pp_prop' in "
+        "additional_config['kvmem']; valid keys: enable_pp_prop_kv_cache,",
+    ),
+    "host policy": (
+        dict(kv_host_cache_bytes=1 << 30, kv_host_cache_policy="random"),
+        "--kv-host-cache-policy (additional_config['kvmem']['kv_host_cache_policy'])"
+        ": invalid value 'random': Input should be 'lru' or 'fifo'; expected one "
+        "of lru, fifo",
+    ),
+}
+
+
+@both_vllms
+def test_bad_values_are_refused_with_our_messages(model_8l, vllm_python):
+    """The same messages on vLLM 0.32 and 0.33 (this test's other case)."""
+    import json
+
+    cases = {n: {"model": str(model_8l), **kw} for n, (kw, _) in REFUSALS.items()}
+    code = REFUSALS_PROBE.replace("sys.argv[1]", repr(json.dumps(cases)))
+    got = run_probe(code, timeout=300, python=vllm_python)
+    for name, (_kw, expected) in REFUSALS.items():
+        assert got[name] is not None, f"{name}: accepted"
+        assert expected in got[name], (name, got[name])
+    if vllm_python != sys.executable:
+        assert got == run_probe(code, timeout=300), "0.33 says otherwise than 0.32"

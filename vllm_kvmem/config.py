@@ -147,9 +147,15 @@ class KVMemConfig(BaseModel):
                 "bool_parsing": "a boolean (true/false)",
                 "literal_error": "one of " + ", ".join(map(str, choices)),
             }.get(err["type"], "a positive integer or a size like 400k or 8G")
+            # Our own validators' reasons, without pydantic's "Value error, ".
+            reason = (
+                str(err["ctx"]["error"])
+                if err["type"] == "value_error" and "error" in err.get("ctx", {})
+                else err["msg"]
+            )
             raise ValueError(
                 f"{cls.flag(name)}{_source(name)}: invalid value "
-                f"{raw.get(name)!r}: {err['msg']}; expected {expected}"
+                f"{raw.get(name)!r}: {reason}; expected {expected}"
             ) from None
 
     @classmethod
