@@ -62,7 +62,7 @@ def run_probe(
     process) and return the JSON it prints on its last ``REPORT `` line.
     ``VLLM_PLUGINS`` is cleared unless ``env`` sets it."""
     full = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    full.update(VLLM_LOGGING_LEVEL="WARNING", **env)
+    full.update({"VLLM_LOGGING_LEVEL": "WARNING", **env})
     done = subprocess.run(
         [python or sys.executable, "-c", code],
         capture_output=True,
@@ -250,6 +250,10 @@ def planner_config(
         tensor_parallel_size=tp,
         kv_cache_memory_bytes=None if tokens else budget,
         max_model_len=max_len,
+        # CPU_ATTN's block size. vLLM 0.32 sets it in create_engine_config;
+        # 0.33 only once the model's attention backends are known
+        # (update_block_size_for_backend), which needs a loaded model.
+        block_size=128,
         enable_pp_prop_kv_cache=flag,
         kv_cache_tokens=tokens,
     ).create_engine_config()

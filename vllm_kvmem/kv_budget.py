@@ -161,26 +161,18 @@ _PLAN_KEY = "kv_plan"
 
 def stash_plan(
     vllm_config: Any, kv_cache_specs: list[dict[str, Any]], limits: list[int]
-) -> None:
+) -> list[int] | None:
     """vLLM 0.33: plan the budget where the engine core has every worker's
     specs and limits (after they are measured, before vLLM plans), for
     vllm-kvmem's ``KVCacheConfigBuilder`` to apply (changes ``vllm_config``'s
-    ``additional_config``). The same checks and errors as on 0.32."""
-    if vllm_config.model_config.original_max_model_len == -1:
-        cfg = KVMemConfig.from_vllm_config(vllm_config)
-        flag = pp_prop.FLAG
-        # in-tree: kv-token-budget
-        if cfg.kv_cache_tokens is not None:
-            flag = TOKENS_FLAG
-        # in-tree: end
-        raise ValueError(
-            f"{flag} with --max-model-len auto (-1) is not supported on vLLM 0.33 "
-            f"yet: vLLM 0.33 fits max_model_len to the device's memory before "
-            f"vllm-kvmem's budget applies. Give --max-model-len explicitly."
-        )
+    ``additional_config``). The same checks and errors as on 0.32. Returns
+    each rank's planned bytes, for vLLM's planner to plan from as on 0.32
+    (``--max-model-len auto`` is then fitted to the budget), or None where
+    vLLM's own figures stand."""
     plan = plan_budget(vllm_config, kv_cache_specs, limits)
     runtime = vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
     runtime[_PLAN_KEY] = asdict(plan)
+    return plan.memory
 
 
 def planned_blocks(vllm_config: Any, num_blocks: int) -> int:

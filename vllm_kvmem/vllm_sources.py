@@ -74,15 +74,16 @@ class SourceTree:
     def calls(self, target: str) -> dict[str, list[int]]:
         """What the function ``target`` calls: each callee as written
         (``builder.get_kv_cache_config_from_groups``), with the number of
-        arguments of each call. A planning flow's shape, read from source."""
+        arguments of each call, in the order the source first makes them. A
+        planning flow's shape, read from source."""
         func, _tree, _owner = self._lookup(target)
         if func is None:
             raise LookupError(f"{target}: no function")
         out: dict[str, list[int]] = {}
-        for node in ast.walk(func):
-            if isinstance(node, ast.Call):
-                name = ast.unparse(node.func)
-                out.setdefault(name, []).append(len(node.args) + len(node.keywords))
+        nodes = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+        for node in sorted(nodes, key=lambda n: (n.lineno, n.col_offset)):
+            name = ast.unparse(node.func)
+            out.setdefault(name, []).append(len(node.args) + len(node.keywords))
         return out
 
     def _lookup(

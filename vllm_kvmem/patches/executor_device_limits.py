@@ -20,7 +20,11 @@ def _make(original):
                 from vllm_kvmem.kv_budget import stash_plan
 
                 kv_builder.check_selected(self.vllm_config)
-                stash_plan(self.vllm_config, self.get_kv_cache_specs(), limits)
+                specs = self.get_kv_cache_specs()
+                planned = stash_plan(self.vllm_config, specs, limits)
+                # vLLM's planner, its auto-fit of --max-model-len auto and its
+                # memory checks then work from each rank's planned bytes.
+                return planned or limits
         return limits
 
     return determine_available_memory
@@ -46,8 +50,10 @@ PATCH = Patch(
     "error messages. On vLLM 0.33, whose planner takes its block counts from a "
     "`KVCacheConfigBuilder`, then plans the budget there from every worker's "
     "KV specs and these limits (`kv_budget.stash_plan`: the same shares, "
-    "checks and errors as 0.32's planner patch) for vllm-kvmem's builder. "
-    "The integers vLLM uses are unchanged.",
+    "checks and errors as 0.32's planner patch) and returns each rank's "
+    "planned bytes instead of its limit, so that vLLM's planner, its auto-fit "
+    "of `--max-model-len auto` and its memory checks work from the budget, as "
+    "0.32's planner patch makes them do. Elsewhere the integers are vLLM's.",
     upstream="None: part of the seed 000 feature.",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
     idle="Returns vLLM's own figures; asks the workers nothing.",
