@@ -21,7 +21,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, VENV_033, Run, assert_runs_equal, run_engine_test
+from tests.helpers import (
+    ROOT,
+    VENV_033,
+    Run,
+    assert_runs_equal,
+    both_vllms,
+    host_tier_kwargs,
+    host_tier_workload,
+    run_engine,
+    run_engine_test,
+)
 from tests.helpers import engine_env as plugin_engine_env
 
 ENGINE_FILE = ROOT / "tests" / "kv_mem_engine.py"
@@ -77,3 +87,58 @@ def test_the_environment_says_what_it_is(vllm033_python):
         )
         python_files = [f for f in record["changed_from_wheel"] if f.endswith(".py")]
         assert python_files == ["vllm/platforms/__init__.py"]
+
+
+@pytest.mark.engine
+def test_host_tier_on_vllm_033_gives_identical_output_with_host_hits(
+    model_8l, vllm033_python
+):
+    """Documents four times the device cache, read twice, without the tier and
+    with it (engine core in its own process, as a server runs it): the same
+    greedy tokens, and the second pass hits the host tier."""
+    work = host_tier_workload()
+    off = run_engine(
+        host_tier_kwargs(model_8l, False, enforce_eager=True),
+        work,
+        vllm033_python,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    on = run_engine(
+        host_tier_kwargs(model_8l, True, enforce_eager=True),
+        work,
+        vllm033_python,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    )
+    assert off.returncode == 0, off.log[-4000:]
+    assert on.returncode == 0, on.log[-4000:]
+    assert on.report["token_ids"] == off.report["token_ids"]
+    second_off, second_on = (
+        off.report["cached_tokens"][1],
+        on.report["cached_tokens"][1],
+    )
+    assert sum(second_on) >= 4 * max(1, sum(second_off))
+    assert "Host KV tier: " in on.log
+
+
+@pytest.mark.engine
+@both_vllms
+def test_max_model_len_auto_fits_the_token_budget(model_8l, vllm_python):
+    """``--max-model-len auto`` with ``--kv-cache-tokens 1000``: vLLM's auto-fit
+    brings max_model_len down to what the 8 blocks hold for one sequence
+    beside vLLM's null block (on 0.33 as on 0.32)."""
+    run = run_engine(
+        dict(
+            model=str(model_8l),
+            kv_cache_tokens=1000,
+            max_model_len=-1,
+            enforce_eager=True,
+        ),
+        {"prompts": ["The KV cache"], "max_tokens": 4},
+        vllm_python,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    (rank,) = run.ranks
+    assert rank["num_blocks"] == 8
+    assert rank["max_model_len"] == 7 * 128
+    assert "Auto-fit max_model_len: reduced from 4096 to 896" in run.log
