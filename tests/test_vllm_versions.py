@@ -1,11 +1,11 @@
 """Every patch record against the sources of every vLLM release it names.
 
-vLLM 0.32 is installed (and runs: the rest of the suite); vLLM 0.33 has no
-CPU build, so its sources are read from its CUDA wheel, fetched through pip
-(its cache first; the ``wheel_033`` fixture in conftest.py) and never
-imported. For each release a record names, its
-target must exist there with the parameters the record expects; a record
-that names a release whose target moved fails here.
+vLLM 0.32 is installed (and runs: the rest of the suite); vLLM 0.33's
+sources are read from its CUDA wheel as released, fetched through pip (its
+cache first; the ``wheel_033`` fixture in conftest.py) and not imported
+(0.33 also runs, on CPU: ``tests/test_vllm033_engine.py``). For each
+release a record names, its target must exist there with the parameters the
+record expects; a record that names a release whose target moved fails here.
 """
 
 from __future__ import annotations

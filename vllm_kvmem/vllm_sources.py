@@ -1,7 +1,7 @@
 """Read a vLLM source tree without importing it.
 
-A vLLM release that cannot run here (vLLM 0.33 has no CPU build) can still be
-checked: its wheel holds the Python sources, and the parameters of every
+A vLLM release that is not installed (vLLM 0.33.0's CUDA wheel, as released)
+can still be checked: its wheel holds the Python sources, and the parameters of every
 function a patch wraps can be read from them. ``SourceTree`` answers, for a
 ``module:Class.attr`` target, whether it exists and which parameters it has,
 from a directory (an installed ``site-packages``) or straight from a wheel.
