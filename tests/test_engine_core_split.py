@@ -246,3 +246,16 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
         ok, limits = config(budget=458 * MiB)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
     assert _alloc(configs[0]) <= 344 << 20
+
+
+def test_a_stage_without_kv_layers_is_refused_by_name(model_8l):
+    """A stage that holds no attention layer has no bytes per block to split
+    by: refused naming the stage and rank, not ignored."""
+    cfg = _config(model_8l, budget=64 << 20)
+    specs = _specs(cfg, [8, 0])
+    with pytest.raises(ValueError) as e:
+        ku.get_kv_cache_configs(cfg, specs, [BIG, BIG])
+    assert str(e.value).startswith(
+        "--enable-pp-prop-kv-cache: pipeline stage 1 (rank 1) holds no KV cache "
+        "layers, so the --kv-cache-memory-bytes budget cannot be split"
+    ), str(e.value)

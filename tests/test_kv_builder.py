@@ -58,6 +58,7 @@ CASES = {
     ),
     "tokens below one sequence": dict(layers=[6, 2], config=dict(tokens=100)),
     "share below one sequence": dict(layers=[6, 2], config=dict(budget=1 * MiB)),
+    "a stage without KV layers": dict(layers=[8, 0]),
 }
 
 
@@ -121,6 +122,10 @@ def test_the_plans_are_right(plans):
         assert auto_pp["max_model_len"] == 7 * 128
         for name in ("share above a device", "share below one sequence"):
             assert plan[name]["refused"].startswith("--enable-pp-prop-kv-cache")
+        assert (
+            "pipeline stage 1 (rank 1) holds no KV cache layers"
+            in (plan["a stage without KV layers"]["refused"])
+        )
         for name in ("tokens above a device", "tokens below one sequence"):
             assert plan[name]["refused"].startswith("--kv-cache-tokens")
 

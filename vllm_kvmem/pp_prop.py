@@ -110,11 +110,23 @@ def proportional_shares(
         return None
     budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
     groups = va.worker_groups(vllm_config, kv_cache_specs)
-    if not all(groups):
-        logger.info("%s: a stage has no KV cache layers; split not applied.", FLAG)
-        return None
-    bpb = [va.bytes_per_block(vllm_config, g) for g in groups]
     stage = va.stage_of_each_rank(kv_cache_specs)
+    bpb = [
+        va.bytes_per_block(vllm_config, g) if specs else 0
+        for g, specs in zip(groups, kv_cache_specs)
+    ]
+    if not any(bpb):
+        logger.info("%s: the model has no KV cache layers; nothing to split.", FLAG)
+        return None
+    if not all(bpb):
+        empty = [r for r, b in enumerate(bpb) if not b]
+        raise ValueError(
+            f"{FLAG}: pipeline stage "
+            f"{', '.join(str(s) for s in sorted({stage[r] for r in empty}))} "
+            f"(rank {', '.join(map(str, empty))}) holds no KV cache layers, so "
+            f"the {BUDGET_FLAG} budget cannot be split by KV bytes. Give every "
+            f"stage attention layers with VLLM_PP_LAYER_PARTITION, or drop {FLAG}."
+        )
     stages = _Stages(stage, bpb, limits_for(vllm_config, available_memory))
     per_stage = pp_split.split_budget(budget, stages.bpb)
     _check_shares_fit_devices(stages, per_stage, budget)
