@@ -1,0 +1,74 @@
+"""Anchored edits of vLLM's files, and the files a patch adds.
+
+An anchor is exact text that must occur exactly once in the file: a moved or
+changed anchor fails naming the patch, the file and the anchor, never fuzzes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+SPDX = (
+    "# SPDX-License-Identifier: Apache-2.0\n"
+    "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
+)
+
+
+class AnchorError(ValueError):
+    """An edit's anchor is not in its file exactly once."""
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Insert ``text`` after (or before) ``anchor`` in ``path``, or replace it."""
+
+    path: str
+    anchor: str
+    text: str
+    where: Literal["after", "before", "replace"] = "after"
+
+    def apply(self, root: Path, patch: str) -> None:
+        file = root / self.path
+        source = file.read_text()
+        count = source.count(self.anchor)
+        if count != 1:
+            raise AnchorError(
+                f"patch {patch}: {self.path}: anchor {self.anchor!r}: {count} "
+                f"matches (need exactly 1)"
+            )
+        at = source.index(self.anchor)
+        end = at + len(self.anchor)
+        if self.where == "after":
+            source = source[:end] + self.text + source[end:]
+        elif self.where == "before":
+            source = source[:at] + self.text + source[at:]
+        else:
+            source = source[:at] + self.text + source[end:]
+        file.write_text(source)
+
+
+@dataclass(frozen=True)
+class NewFile:
+    """A file the patch adds, at ``path`` in vLLM's tree, from ``source``
+    (written for vLLM 0.33), with ``renames`` of what sits elsewhere in
+    another release (``(0.33's text, this release's)`` pairs)."""
+
+    path: str
+    source: Path
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def apply(self, root: Path, patch: str) -> None:
+        text = self.source.read_text()
+        for old, new in self.renames:
+            if old not in text:
+                raise ValueError(f"patch {patch}: {self.path}: no {old!r}")
+            text = text.replace(old, new)
+        if not text.startswith(SPDX):
+            raise ValueError(f"patch {patch}: {self.path}: no SPDX header")
+        out = root / self.path
+        if out.exists():
+            raise ValueError(f"patch {patch}: {self.path} exists in the tree")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

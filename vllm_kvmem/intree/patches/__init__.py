@@ -1,0 +1,1 @@
+"""The patches of the in-tree series, one module each (``series.ORDER``)."""
