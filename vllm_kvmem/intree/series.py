@@ -113,7 +113,10 @@ def write_series(out: Path, vllm_src: Path | None = None) -> tuple[str, list[Pat
     with tempfile.TemporaryDirectory(prefix="kvmem-intree-") as tmp:
         repo = Path(tmp)
         _git(repo, "init", "-q", "-b", "main")
-        seeded = sorted({c.path for _, cs in todo for c in cs if isinstance(c, Edit)})
+        added = {c.path for _, cs in todo for c in cs if isinstance(c, NewFile)}
+        seeded = sorted(
+            {c.path for _, cs in todo for c in cs if isinstance(c, Edit)} - added
+        )
         for relpath in seeded:
             data = _read(tree, relpath)
             if data is None:

@@ -185,6 +185,10 @@ def _changes(planner: str, bytes_per_block: str, before_planner: str) -> list:
         _planner_edit(planner, bytes_per_block),
         Edit(planner, before_planner, _SPLIT + "\n", where="before"),
         NewFile(
+            "tests/v1/e2e/test_kv_cache_budget_engine.py",
+            FILES / SLUG / "tests/v1/e2e/test_kv_cache_budget_engine.py",
+        ),
+        NewFile(
             "tests/v1/core/test_pp_kv_budget.py",
             FILES / SLUG / "tests/v1/core/test_pp_kv_budget.py",
             renames=(("vllm.v1.core.kv_cache_planning", module),),
