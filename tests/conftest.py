@@ -17,12 +17,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import VENV_033
-from tests.upstream_tree import (
-    apply_series,
-    copy_vllm,
-    no_plugin_env,
-    no_plugin_shim,
-)
 from vllm_kvmem.tiny_model import build_tiny_model
 
 
@@ -110,31 +104,3 @@ def wheel_033(tmp_path_factory):
     from vllm_kvmem.vllm_sources import SourceTree
 
     return SourceTree(wheels[0])
-
-
-# ------------------------------------------------ the in-tree series (0.32)
-
-
-@pytest.fixture(scope="session")
-def series_032(tmp_path_factory) -> list[Path]:
-    """``kvmem upstream``'s series for the installed vLLM."""
-    from vllm_kvmem.upstream import write_series
-
-    _version, files = write_series(tmp_path_factory.mktemp("series032"))
-    return files
-
-
-@pytest.fixture(scope="session")
-def patched_vllm(tmp_path_factory, series_032) -> Path:
-    """The installed vLLM 0.32 with the series applied (a folder holding vllm/)."""
-    root = copy_vllm(tmp_path_factory.mktemp("vllm032"))
-    apply_series(root, series_032)
-    return root
-
-
-@pytest.fixture(scope="session")
-def no_plugin(tmp_path_factory, patched_vllm) -> tuple[dict[str, str], Path]:
-    """Environment and working folder of a process that runs the patched vLLM
-    and cannot import ``vllm_kvmem``."""
-    shim = no_plugin_shim(tmp_path_factory.mktemp("no_plugin"))
-    return no_plugin_env(patched_vllm, shim, VLLM_LOGGING_LEVEL="INFO"), shim

@@ -402,3 +402,13 @@ def assert_runs_equal(a: Run, b: Run, names: tuple[str, str]) -> None:
             )
     head = f"the {names[0]} run differs from the {names[1]} run:\n"
     assert not diffs, head + "\n".join(diffs)
+
+
+def no_plugin_shim(folder: Path) -> Path:
+    """A folder whose ``vllm_kvmem`` raises on import: first on the path of a
+    process that must run an in-tree vLLM without the plugin."""
+    (folder / "vllm_kvmem").mkdir(parents=True)
+    (folder / "vllm_kvmem" / "__init__.py").write_text(
+        "raise ImportError('the in-tree vLLM imported vllm_kvmem')\n"
+    )
+    return folder

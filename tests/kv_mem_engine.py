@@ -1,4 +1,4 @@
-"""The KV cache memory options on a real engine.
+"""The KV cache memory options on a real engine, with the plugin.
 
 - A pipeline of 2 stages (layers 5 and 3) with ``--enable-pp-prop-kv-cache``,
   a 24 MiB pipeline-wide budget and the host KV tier: every stage holds the
@@ -12,19 +12,11 @@
 Both check the startup capacity table: exactly one is logged, and its cells
 are the ranks' own figures.
 
-The model is a small local checkpoint named by ``KV_MEM_TEST_MODEL`` (a
-Llama-shaped model of 8 layers and 2 KV heads of 64, random weights, is
-enough: the checks are about memory, and greedy tokens are compared with
-themselves); without it the tests skip, saying so. In vLLM's CI a reviewer
-would point it at a small local model on the runner.
-
-With ``KV_MEM_TEST_REPORT`` naming a folder, each test writes what it
-measured (per-rank blocks, layers, page size, layout and capacity, every
-round's greedy and cached tokens, the capacity table as logged) to
-``<test name>.json`` there, so that two builds can be compared.
-
-Each test starts one engine: run one test per process
-(``pytest test_engine.py::<test>``).
+The model is a small local checkpoint named by ``KV_MEM_TEST_MODEL``; with
+``KV_MEM_TEST_REPORT`` naming a folder, each test writes what it measured to
+``<test name>.json`` there, so that two runs (vLLM 0.32 and 0.33:
+``tests/test_vllm033_engine.py``) can be compared. Each test starts one
+engine: run one test per process (``pytest kv_mem_engine.py::<test>``).
 """
 
 from __future__ import annotations
@@ -39,6 +31,8 @@ import pytest
 from vllm import LLM, SamplingParams
 from vllm.platforms import current_platform
 from vllm.plugins import load_general_plugins
+
+from vllm_kvmem.demo import documents
 
 TITLE = "KV cache per rank ("
 
@@ -204,22 +198,6 @@ def assert_table_agrees(table: list[str], ranks: list[dict[str, Any]]) -> None:
 
 BUDGET = 24 << 20  # pipeline-wide; 24 blocks of 128 tokens of 8 layers in float32
 HOST = 256 << 20
-WORDS = (
-    "cache block layer page token memory host device copy stage pipeline "
-    "budget window request batch prefix tier spill load hit miss engine"
-).split()
-
-
-def documents(n: int) -> list[str]:
-    """About 1,000 tokens each (8 CPU blocks), distinct from each other: the
-    demo's documents (``vllm_kvmem.demo.documents``), written out here because
-    this test goes into vLLM's tree and may import nothing of ours;
-    ``tests/test_upstream_engines.py`` checks the two agree."""
-    return [
-        " ".join(WORDS[(i * k + k) % len(WORDS)] + str(k % 7) for i in range(400))
-        + " question"
-        for k in range(1, n + 1)
-    ]
 
 
 @pytest.mark.skipif(

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import VENV_033
-from tests.upstream_tree import no_plugin_shim
+from tests.helpers import VENV_033, no_plugin_shim
 from vllm_kvmem.demo_engine import engine_env
 from vllm_kvmem.intree import series as intree
 
@@ -172,3 +171,24 @@ def test_a_moved_anchor_fails_naming_patch_file_and_anchor(tmp_path):
     (tmp_path / "f.py").write_text("a = 1\na = 1\n")
     with pytest.raises(AnchorError, match="2 matches"):
         Edit("f.py", "a = 1", "x").apply(tmp_path, "p")
+
+
+def test_the_033_series_from_the_wheel_is_the_same(wheel_033, vllm033_python, tmp_path):
+    """`kvmem upstream --vllm-src vllm-0.33.0-*.whl` writes, byte for byte, the
+    series written against the 0.33 environment's files (which are the
+    wheel's for every file the series touches)."""
+    _v, from_wheel = intree.write_series(tmp_path / "wheel", wheel_033.root)
+    _v, from_env = intree.write_series(tmp_path / "env", _site(VENV_033))
+    assert [p.read_bytes() for p in from_wheel] == [p.read_bytes() for p in from_env]
+
+
+def test_kvmem_upstream_writes_the_series(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_kvmem.cli", "upstream", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    files = sorted(tmp_path.glob("*.patch"))
+    assert len(files) == len(intree.ORDER)
+    assert f"vLLM 0.32.0: {len(files)} patches" in done.stdout

@@ -31,8 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ENGINE_TIMEOUT_S, ROOT, VENV_033, engine_env
-from tests.upstream_tree import no_plugin_shim
+from tests.helpers import ENGINE_TIMEOUT_S, ROOT, VENV_033, engine_env, no_plugin_shim
 from vllm_kvmem.intree import series as intree
 
 MODEL_ID = "hmellor/tiny-random-LlamaForCausalLM"

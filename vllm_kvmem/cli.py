@@ -20,7 +20,7 @@ def _patches(args: argparse.Namespace) -> int:
 
 
 def _upstream(args: argparse.Namespace) -> int:
-    from vllm_kvmem.upstream.series import run
+    from vllm_kvmem.intree.series import run
 
     return run(args)
 
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_patches)
     p = sub.add_parser(
         "upstream",
-        help="write vllm-kvmem as a git format-patch series for vLLM's own tree",
+        help="write the in-tree feature branch: a git format-patch series for "
+        "vLLM's own tree (vLLM 0.32 or 0.33)",
     )
     p.add_argument(
         "--vllm-src",

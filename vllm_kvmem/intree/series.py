@@ -163,3 +163,14 @@ def copy_tree(src: Path, dest: Path) -> Path:
             else:
                 os.symlink(Path(root) / name, to / name)
     return dest
+
+
+def run(args) -> int:
+    """``kvmem upstream``: write the series, print each patch and its size."""
+    version, files = write_series(Path(args.out), args.vllm_src)
+    print(f"vLLM {version}: {len(files)} patches in {args.out}")
+    for patch in files:
+        lines = patch.read_text().splitlines()
+        added = [ln for ln in lines if ln.startswith("+") and not ln.startswith("+++")]
+        print(f"  {patch.name}: +{len(added)} lines")
+    return 0
