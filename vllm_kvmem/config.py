@@ -1,9 +1,9 @@
 """The one typed configuration of vllm-kvmem, and how it rides in vLLM's config.
 
 Every option is validated here, whichever door it came in by (a server flag
-or an ``LLM(...)`` keyword argument). In vLLM's own tree the options are
-``CacheConfig`` fields. Under the plugin (which can add no field to vLLM's
-configs) they are stored, normalised, in
+or an ``LLM(...)`` keyword argument). The plugin can add no field to vLLM's
+configs (in the in-tree series, ``vllm_kvmem/intree``, they are
+``CacheConfig`` fields), so they are stored, normalised, in
 ``VllmConfig.additional_config["kvmem"]``, which vLLM already ships to the
 engine core and to every worker process, and that mapping is a third door.
 """
@@ -17,9 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from vllm_kvmem.core import units
 
-# in-tree: plugin-only
 ADDITIONAL_CONFIG_KEY = "kvmem"
-# in-tree: end
 
 
 def parse_size(value: Any) -> Any:
@@ -117,7 +115,6 @@ class KVMemConfig(BaseModel):
             return cls()
         if isinstance(raw, KVMemConfig):
             return raw
-        # in-tree: plugin-only
         if not isinstance(raw, dict):
             raise ValueError(
                 f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] must be a mapping of "
@@ -131,7 +128,6 @@ class KVMemConfig(BaseModel):
                 f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]; valid keys: "
                 f"{', '.join(cls.option_names())}"
             )
-        # in-tree: end
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
@@ -165,12 +161,8 @@ class KVMemConfig(BaseModel):
         Every patch that runs in a process asks for them; a mapping with the
         same items is validated only the first time (errors are not cached).
         """
-        raw = _in_tree_options(vllm_config)
-        # in-tree: plugin-only
-        if raw is None:
-            additional = getattr(vllm_config, "additional_config", None) or {}
-            raw = additional.get(ADDITIONAL_CONFIG_KEY)
-        # in-tree: end
+        additional = getattr(vllm_config, "additional_config", None) or {}
+        raw = additional.get(ADDITIONAL_CONFIG_KEY)
         if not isinstance(raw, dict):
             return cls.parse(raw)
         try:
@@ -184,22 +176,7 @@ class KVMemConfig(BaseModel):
 
 def _source(name: str) -> str:
     """Where option ``name`` rides, for error messages (after its flag)."""
-    where = ""
-    # in-tree: plugin-only
-    where = f" (additional_config[{ADDITIONAL_CONFIG_KEY!r}][{name!r}])"
-    # in-tree: end
-    return where
-
-
-def _in_tree_options(vllm_config: Any) -> dict[str, Any] | None:
-    """In vLLM's tree (``kvmem upstream``) the options are ``CacheConfig``
-    fields, mirrored on ``EngineArgs``: read them there. None under the plugin,
-    where neither has them and they ride in ``additional_config``."""
-    source = getattr(vllm_config, "cache_config", vllm_config)
-    names = KVMemConfig.option_names()
-    if not hasattr(source, names[0]):
-        return None
-    return {n: v for n in names if (v := getattr(source, n, None)) is not None}
+    return f" (additional_config[{ADDITIONAL_CONFIG_KEY!r}][{name!r}])"
 
 
 @functools.lru_cache(maxsize=64)
@@ -208,21 +185,17 @@ def _parse_items(key: tuple[tuple[str, type, Any], ...]) -> KVMemConfig:
 
 
 def check_options(vllm_config: Any) -> KVMemConfig:
-    """Validate the options at startup (a bad value fails naming its flag).
-    Under the plugin, also write them back into ``additional_config``
-    normalised (sizes as integers, only the options given), so that the
-    engine core and every worker read the same mapping; changes
-    ``vllm_config``."""
+    """Validate the options at startup (a bad value fails naming its flag),
+    and write them back into ``additional_config`` normalised (sizes as
+    integers, only the options given), so that the engine core and every
+    worker read the same mapping; changes ``vllm_config``."""
     cfg = KVMemConfig.from_vllm_config(vllm_config)
-    # in-tree: plugin-only
     additional = vllm_config.additional_config
     if ADDITIONAL_CONFIG_KEY in additional:
         additional[ADDITIONAL_CONFIG_KEY] = cfg.model_dump(exclude_unset=True)
-    # in-tree: end
     return cfg
 
 
-# in-tree: plugin-only
 def merge_options(
     additional_config: dict[str, Any] | None, options: dict[str, Any], source: str
 ) -> dict[str, Any]:
@@ -243,6 +216,3 @@ def merge_options(
         current[name] = value
     merged[ADDITIONAL_CONFIG_KEY] = current
     return merged
-
-
-# in-tree: end

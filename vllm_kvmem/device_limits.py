@@ -134,7 +134,6 @@ def headroom_bytes() -> int:
     return GPU_HEADROOM_BYTES if _profiles_device_memory() else 0
 
 
-# in-tree: host-kv-tier
 def staging_reserve_bytes(vllm_config: Any) -> int:
     """The host tier's device staging buffers, when the tier is on and the
     layout makes its copy engine gather (a block-then-layer layout such as
@@ -157,7 +156,6 @@ def staging_reserve_bytes(vllm_config: Any) -> int:
     return staging_reserve()
 
 
-# in-tree: end
 def measure(worker: Any, original: Any) -> DeviceLimit:
     """Run vLLM's ``determine_available_memory`` (profile run, vLLM's checks),
     then measure this worker's limit."""
@@ -174,9 +172,7 @@ def measure(worker: Any, original: Any) -> DeviceLimit:
     with _budget_at_least(config, mm + 1):
         held_back = config.kv_cache_memory_bytes - original(worker)
     staging = 0
-    # in-tree: host-kv-tier
     staging = staging_reserve_bytes(worker.vllm_config)
-    # in-tree: end
     limit = DeviceLimit(
         free=free_device_bytes(worker),
         mm_reserved=max(0, held_back),

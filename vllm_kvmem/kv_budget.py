@@ -31,12 +31,10 @@ logger = init_logger("vllm.kvmem.kv_budget")
 TOKENS_FLAG = KVMemConfig.flag("kv_cache_tokens")
 BUDGET_FLAG = pp_prop.BUDGET_FLAG
 
-# in-tree: kv-token-budget
 # A token budget has no byte figure until the engine sees the KV specs. Until
 # then vLLM's explicit-budget path runs with this placeholder (no profiling, and
 # the CPU worker's startup memory check is skipped); our patches replace it.
 TOKENS_PLACEHOLDER_BYTES = 1
-# in-tree: end
 
 
 # ------------------------------------------------------------ workers
@@ -45,10 +43,8 @@ TOKENS_PLACEHOLDER_BYTES = 1
 def uses_device_limits(vllm_config: Any) -> bool:
     """Whether workers report their device's KV limit instead of a budget."""
     cfg = KVMemConfig.from_vllm_config(vllm_config)
-    # in-tree: kv-token-budget
     if cfg.kv_cache_tokens is not None:
         return True
-    # in-tree: end
     return pp_prop.is_active(vllm_config, cfg)
 
 
@@ -61,10 +57,8 @@ def report_device_limit(worker: Any, limit: DeviceLimit) -> int:
         f"KV cache budget {gib(budget)} GiB ({BUDGET_FLAG}) is pipeline-wide with "
         f"{pp_prop.FLAG}"
     )
-    # in-tree: kv-token-budget
     if budget == TOKENS_PLACEHOLDER_BYTES:
         how = f"KV cache is sized in tokens ({TOKENS_FLAG})"
-    # in-tree: end
     logger.info(
         "%s; this rank's device can hold up to %s GiB of KV cache (%s); the "
         "engine assigns this rank's share.",
@@ -100,7 +94,6 @@ def plan_budget(
     """The budget mode's per-rank figures, checked against each worker's device
     limit (``available_memory``) and against one max_model_len sequence."""
     cfg = KVMemConfig.from_vllm_config(vllm_config)
-    # in-tree: kv-token-budget
     if (tokens := cfg.kv_cache_tokens) is not None:
         from vllm_kvmem.token_budget import token_budget_memory
 
@@ -108,7 +101,6 @@ def plan_budget(
             vllm_config, kv_cache_specs, available_memory, tokens
         )
         return BudgetPlan(f"{TOKENS_FLAG} {tokens:,}", blocks, memory)
-    # in-tree: end
     budget = vllm_config.cache_config.kv_cache_memory_bytes
     if pp_prop.is_active(vllm_config, cfg):
         title = (
@@ -146,11 +138,9 @@ def plan_kv_cache_configs(
         return original(vllm_config, kv_cache_specs, available_memory)
     plan = plan_budget(vllm_config, kv_cache_specs, available_memory)
     configs = original(vllm_config, kv_cache_specs, plan.memory or available_memory)
-    # in-tree: kv-token-budget
     from vllm_kvmem.capacity_table import log_startup_report
 
     log_startup_report(vllm_config, configs, plan.title, plan.shares)
-    # in-tree: end
     return configs
 
 
@@ -195,10 +185,8 @@ def configs_ready(vllm_config: Any, kv_cache_configs: list[Any]) -> BudgetPlan:
     plan = (
         BudgetPlan(**stashed) if stashed else BudgetPlan(_vllm_sized_title(vllm_config))
     )
-    # in-tree: kv-token-budget
     if any(c.kv_cache_groups for c in kv_cache_configs):
         from vllm_kvmem.capacity_table import log_startup_report
 
         log_startup_report(vllm_config, kv_cache_configs, plan.title, plan.shares)
-    # in-tree: end
     return plan

@@ -8,28 +8,20 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def create_engine_config(self, *args, **kwargs):
-        # in-tree: host-kv-tier
         from vllm_kvmem.host_tier import add_connector_config
 
         add_connector_config(self)
-        # in-tree: end
         config = original(self, *args, **kwargs)
         from vllm_kvmem.config import check_options
 
         check_options(config)
-        # in-tree: kv-token-budget
         from vllm_kvmem import token_budget
 
         token_budget.check_budget_flags(config)
-        # in-tree: end
-        # in-tree: pp-kv-budget
         from vllm_kvmem import pp_prop
 
         pp_prop.check_flags(config)
-        # in-tree: end
-        # in-tree: kv-token-budget
         token_budget.set_tokens_placeholder(config)
-        # in-tree: end
         return config
 
     return create_engine_config

@@ -11,11 +11,9 @@ def _make(original):
         from vllm_kvmem.kv_budget import configs_ready
 
         configs_ready(self.vllm_config, kv_cache_configs)
-        # in-tree: host-kv-tier
         from vllm_kvmem.host_tier import size_host_tier
 
         size_host_tier(self.vllm_config, kv_cache_configs)
-        # in-tree: end
         original(self, kv_cache_configs)
 
     return initialize_from_config

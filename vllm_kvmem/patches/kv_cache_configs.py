@@ -12,11 +12,9 @@ def _make(original):
         configs = plan_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory
         )
-        # in-tree: host-kv-tier
         from vllm_kvmem.host_tier import size_host_tier
 
         size_host_tier(vllm_config, configs)
-        # in-tree: end
         return configs
 
     return get_kv_cache_configs
