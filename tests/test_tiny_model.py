@@ -128,6 +128,30 @@ def test_sliding_window_writes_a_mistral_config(tmp_path: pathlib.Path) -> None:
     assert getattr(loaded, "layer_types", None) is None
 
 
+def test_sliding_window_pattern_writes_interleaved_layers(tmp_path: pathlib.Path):
+    """Every Nth layer full attention, the others sliding: transformers reads
+    a Ministral config with per-layer types, vLLM serves it as Mistral with
+    each layer's window from layer_types (tests/test_host_tier_engine.py)."""
+    from transformers import AutoConfig, MinistralConfig
+
+    out = build_tiny_model(
+        tmp_path / "m", **{**SMALL, "num_layers": 6}, sliding_window=64,
+        sliding_window_pattern=3,
+    )  # fmt: skip
+    loaded = AutoConfig.from_pretrained(out)
+    assert type(loaded) is MinistralConfig
+    assert loaded.architectures == ["MistralForCausalLM"]
+    assert loaded.sliding_window == 64
+    slide, full = "sliding_attention", "full_attention"
+    assert loaded.layer_types == [slide, slide, full, slide, slide, full]
+    # Same tensors as without the pattern: only config.json differs.
+    plain = build_tiny_model(
+        tmp_path / "p", **{**SMALL, "num_layers": 6}, sliding_window=64
+    )
+    a, b = digests(out), digests(plain)
+    assert a.pop("config.json") != b.pop("config.json") and a == b
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -232,6 +256,21 @@ def test_default_tokenizer_fills_the_vocab(tmp_path: pathlib.Path) -> None:
         ({"vocab_size": 100}, "--vocab-size=100", "at least 260"),
         ({"dtype": "int8"}, "--dtype='int8'", "bfloat16, float16, float32"),
         ({"seed": -1}, "--seed=-1", "[0, 2**63)"),
+        (
+            {"sliding_window_pattern": 2},
+            "--sliding-window-pattern=2",
+            "add --sliding-window",
+        ),
+        (
+            {"sliding_window": 64, "sliding_window_pattern": 1},
+            "--sliding-window-pattern=1",
+            "use 2 to --num-layers=8",
+        ),
+        (
+            {"sliding_window": 64, "sliding_window_pattern": 9},
+            "--sliding-window-pattern=9",
+            "use 2 to --num-layers=8",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(

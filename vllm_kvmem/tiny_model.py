@@ -142,6 +142,15 @@ class TinyModelOptions:
         "write a Mistral-style config with this window, so vLLM gives every "
         "layer a sliding-window KV cache (default: none, full attention)",
     )
+    sliding_window_pattern: int | None = _option(
+        None,
+        "with --sliding-window: every Nth layer is full attention and the "
+        "others slide, written as a per-layer layer_types pattern (Gemma 3's "
+        "sliding_window_pattern: 6 is five sliding layers to one full one; 2 "
+        "alternates, as Gemma 2 and gpt-oss), so vLLM's hybrid KV cache manager "
+        "gives the model several KV cache groups (default: none, the window on "
+        "every layer)",
+    )
     seed: int = _option(
         0,
         "weight RNG seed; same options and seed give the same bytes "
@@ -197,6 +206,35 @@ class TinyModelOptions:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+        self._check_pattern()
+
+    def _check_pattern(self) -> None:
+        pattern, flag = self.sliding_window_pattern, self.flag("sliding_window_pattern")
+        if pattern is None:
+            return
+        if self.sliding_window is None:
+            raise ValueError(
+                f"{flag}={pattern} says which layers slide, but no window is "
+                "set: add --sliding-window (e.g. --sliding-window 256)"
+            )
+        if not 2 <= pattern <= self.num_layers:
+            raise ValueError(
+                f"{flag}={pattern}: use 2 to --num-layers={self.num_layers} (one "
+                "full-attention layer in every N); leave it out to slide on every "
+                "layer"
+            )
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        """Per-layer attention kinds (``sliding_attention`` or
+        ``full_attention``), or None when every layer is alike."""
+        if self.sliding_window_pattern is None:
+            return None
+        n = self.sliding_window_pattern
+        return [
+            "full_attention" if (i + 1) % n == 0 else "sliding_attention"
+            for i in range(self.num_layers)
+        ]
 
 
 def _check_positive(flag: str, value: Any, *, seed: bool = False) -> None:
@@ -279,9 +317,10 @@ def model_config(o: TinyModelOptions) -> dict[str, Any]:
     """The ``config.json`` content, written out rather than built by transformers.
 
     It is what ``LlamaConfig(...).to_diff_dict()`` (``MistralConfig`` with a
-    window) gives, less ``transformers_version``: importing transformers would
-    double the build time, and leaving the version out keeps the bytes the same
-    across transformers releases. The tests check it loads as that class.
+    window, ``MinistralConfig`` with a window pattern) gives, less
+    ``transformers_version``: importing transformers would double the build
+    time, and leaving the version out keeps the bytes the same across
+    transformers releases. The tests check it loads as that class.
     """
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
@@ -317,6 +356,12 @@ def model_config(o: TinyModelOptions) -> dict[str, Any]:
         config["architectures"] = ["MistralForCausalLM"]
         config["model_type"] = "mistral"
         config["sliding_window"] = o.sliding_window
+    if o.layer_types is not None:
+        # transformers' Ministral config is Mistral's with layer_types (the
+        # interleaved Ministral-8B); vLLM serves it as MistralForCausalLM,
+        # whose attention reads the window of each layer from layer_types.
+        config["model_type"] = "ministral"
+        config["layer_types"] = o.layer_types
     return config
 
 
@@ -342,7 +387,10 @@ def build_tiny_model(
     top of ``options`` or the defaults. With ``sliding_window`` the config is
     a ``MistralForCausalLM`` (same tensor names): vLLM copies a model-level
     ``sliding_window`` into every attention layer when the config has no
-    ``layer_types``, so each layer gets a ``SlidingWindowSpec``. Raises
+    ``layer_types``, so each layer gets a ``SlidingWindowSpec``. With
+    ``sliding_window_pattern`` too it is a Ministral config (Mistral's, with
+    ``layer_types``): every Nth layer is full attention, the others slide, so
+    vLLM's hybrid KV cache manager forms several KV cache groups. Raises
     ``ValueError`` naming the CLI flag on bad input.
     """
     o = dataclasses.replace(options or TinyModelOptions(), **overrides)
@@ -429,6 +477,10 @@ def run(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     arch = "mistral" if args.sliding_window is not None else "llama"
     window = f", sliding window {args.sliding_window}" if args.sliding_window else ""
+    if args.sliding_window_pattern:
+        arch = "ministral"
+        window += f" on {args.sliding_window_pattern - 1} of every "
+        window += f"{args.sliding_window_pattern} layers"
     print(
         f"wrote {out}: {arch}, {args.num_layers} layers, {params / 1e6:.2f}M params "
         f"({args.dtype}{window}), {size / 2**20:.1f} MiB on disk"
