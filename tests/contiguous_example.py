@@ -57,3 +57,22 @@ class ContiguousLayoutExampleConnector(ContiguousKVLayoutMixin, KVConnectorBase_
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
+
+
+class BlockOuterRequiredConnector(ContiguousLayoutExampleConnector):
+    """Opts in and also names BLHNC through vLLM's own
+    ``get_required_kvcache_layout()``, as a connector written against vLLM's
+    API does: vLLM then takes BLHNC wherever every backend accepts it."""
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return "BLHNC"
+
+
+class VllmOnlyBlockOuterConnector(BlockOuterRequiredConnector):
+    """Names BLHNC through vLLM's API only (no vllm-kvmem opt-in): the layout
+    is vLLM's resolution alone."""
+
+    @classmethod
+    def prefers_contiguous_kv_layout(cls, vllm_config: Any) -> bool:
+        return False

@@ -404,6 +404,89 @@ def assert_runs_equal(a: Run, b: Run, names: tuple[str, str]) -> None:
     assert not diffs, head + "\n".join(diffs)
 
 
+# -- model kinds the tiny Llama does not cover ---------------------------------
+
+
+def write_config_only_model(path: Path, config: dict[str, Any]) -> Path:
+    """A model directory with ``config`` and the tiny model's tokenizer but no
+    weights: vLLM serves it with ``load_format="dummy"`` (random weights it
+    makes itself), and builds its configs without loading anything."""
+    from vllm_kvmem.tiny_model import build_tiny_model
+
+    build_tiny_model(path, num_layers=1, hidden_size=64, num_heads=1, num_kv_heads=1)
+    (path / "model.safetensors").unlink()
+    common = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+    (path / "config.json").write_text(json.dumps({**common, **config}, indent=2))
+    return path
+
+
+def write_mla_model(path: Path) -> Path:
+    """A 2-layer DeepSeek-V2 (MLA: one latent KV head of 512 + 64, the only
+    size vLLM's CPU MLA kernel takes), dense MLPs only."""
+    return write_config_only_model(
+        path,
+        {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "vocab_size": 2048,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 2,  # every layer dense: no MoE weights
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "greedy",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        },
+    )
+
+
+def write_mamba_hybrid_model(path: Path) -> Path:
+    """A 2-layer Jamba (one Mamba layer, one attention layer): a hybrid with
+    recurrent state, for config-level checks (not served here)."""
+    return write_config_only_model(
+        path,
+        {
+            "architectures": ["JambaForCausalLM"],
+            "model_type": "jamba",
+            "vocab_size": 2048,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 1,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 16,
+            "max_position_embeddings": 4096,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        },
+    )
+
+
 def no_plugin_shim(folder: Path) -> Path:
     """A folder whose ``vllm_kvmem`` raises on import: first on the path of a
     process that must run an in-tree vLLM without the plugin."""

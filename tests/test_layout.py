@@ -6,6 +6,8 @@ with a real VllmConfig and real vLLM KV specs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import vllm.v1.attention.backends.utils as attn_utils
@@ -27,6 +29,10 @@ EXAMPLE = {
     "kv_connector_module_path": "tests.contiguous_example",
     "kv_role": "kv_both",
 }
+# Opts in and names BLHNC through vLLM's get_required_kvcache_layout() too.
+REQUIRED = {**EXAMPLE, "kv_connector": "BlockOuterRequiredConnector"}
+# Names BLHNC through vLLM's API only: vLLM's own resolution.
+VLLM_ONLY = {**EXAMPLE, "kv_connector": "VllmOnlyBlockOuterConnector"}
 FULL = FullAttentionSpec(
     block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
 )
@@ -76,23 +82,91 @@ def test_no_connector_or_no_opt_in_keeps_vllms_choice(model_8l, layout_log):
     assert layout_log == []  # nothing said when nobody asked
 
 
+# What CPU workers report with a connector configured: CPU_ATTN with the
+# opt-in, and CPU_MLA once vllm-kvmem has withheld its block-outer layouts.
+MLA_ON_CPU = [["LBNHC", "LBHNC", "LHBNC"]]
+WIDE = dataclasses.replace(FULL, head_size=128)  # another page shape
+
+
 @pytest.mark.parametrize(
-    "specs,layouts,reason",
+    "specs,layouts",
     [
-        ([FULL] * 4 + [SLIDING] * 4, CPU_LAYOUTS, "not one uniform KV cache group"),
-        ([MLA] * 4, [["LBHNC", "BLHNC"]], "MLA"),
-        ([FULL] * 8, [["LBHNC"]], "supports only LBHNC"),
+        ([FULL] * 8, CPU_LAYOUTS),
+        ([FULL] * 4 + [SLIDING] * 4, CPU_LAYOUTS),  # hybrid, one page shape
+        ([FULL] * 4 + [WIDE] * 4, CPU_LAYOUTS),  # mixed pages: block-compact only
+        ([MLA] * 4, CPU_LAYOUTS),  # a backend that takes BLHNC for MLA
+        ([MLA] * 4, MLA_ON_CPU),
+        ([FULL] * 8, [["LBHNC"]]),
+        ([FULL] * 8, [["LBNHC", "LBHNC", "BLNHC", "BLHNC"]]),  # vLLM's default
+    ],
+)
+def test_one_rule_with_vllm(model_8l, specs, layouts):
+    """The opt-in gets a block-outer layout exactly where vLLM's own
+    resolution gives one to a connector that requires BLHNC through
+    get_required_kvcache_layout(), judged on the same specs."""
+    from vllm_kvmem.patches import kv_cache_layout
+    from vllm_kvmem.patches._registry import original_of
+
+    ours = attn_utils.resolve_kv_cache_layout(_config(model_8l), layouts, specs)
+    vllms = original_of(kv_cache_layout.PATCH)(
+        _config(model_8l, VLLM_ONLY), layouts, specs
+    )
+    assert ours.is_block_outermost == vllms.is_block_outermost
+
+
+def test_hybrid_model_gets_blhnc(model_8l, layout_log):
+    """Sliding-window and full-attention layers (vLLM's hybrid KV cache
+    groups) take the contiguous layout, as vLLM would for a connector that
+    requires it, and the line says so."""
+    cfg = _config(model_8l)
+    layout_log.clear()
+    specs = [FULL] * 2 + [SLIDING] * 6
+    layout = attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, specs)
+    assert layout.name == "BLHNC"
+    (line,) = messages(layout_log)
+    assert "Using BLHNC KV cache layout: contiguous across layers" in line
+
+
+@pytest.mark.parametrize(
+    "specs,layouts,reason,resolved",
+    [
+        ([MLA] * 4, MLA_ON_CPU, "MLA on CPU", "LBNHC"),
+        ([FULL] * 8, [["LBHNC"]], "supports only LBHNC", "LBHNC"),
     ],
 )
 def test_fallback_logs_one_line_naming_the_condition(
-    model_8l, layout_log, specs, layouts, reason
+    model_8l, layout_log, specs, layouts, reason, resolved
 ):
     cfg = _config(model_8l)
+    layout_log.clear()
     # vLLM's own choice stands, and we say why it is not the contiguous one.
     layout = attn_utils.resolve_kv_cache_layout(cfg, layouts, specs)
-    assert layout.name == "LBHNC"
-    said = [m for m in messages(layout_log) if "asks for the contiguous KV layout" in m]
-    assert len(said) == 1 and reason in said[0], messages(layout_log)
+    assert layout.name == resolved
+    (line,) = messages(layout_log)
+    assert "asks for the contiguous KV layout" in line and reason in line
+    assert line.endswith(f"using vLLM's {resolved} KV cache layout (per layer).")
+
+
+def test_connector_requiring_blhnc_gets_the_line_its_tensors_match(
+    model_8l, layout_log
+):
+    """A connector that opts in and names BLHNC through vLLM's API: on a
+    hybrid model both agree on BLHNC (one line, saying so); on MLA on CPU,
+    where vllm-kvmem withheld it, vLLM falls back and our line names the
+    layout vLLM chose, never the one asked for."""
+    cfg = _config(model_8l, REQUIRED)
+    layout_log.clear()
+    specs = [FULL] * 2 + [SLIDING] * 6
+    assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, specs).name == "BLHNC"
+    (line,) = messages(layout_log)
+    assert "Using BLHNC" in line and "per layer" not in line
+    for connector, asked in ((REQUIRED, "asks for"), (VLLM_ONLY, "requires BLHNC")):
+        cfg = _config(model_8l, connector)
+        layout_log.clear()
+        layout = attn_utils.resolve_kv_cache_layout(cfg, MLA_ON_CPU, [MLA] * 4)
+        assert layout.name == "LBNHC"
+        (line,) = messages(layout_log)
+        assert asked in line and "MLA on CPU" in line and "LBNHC" in line
 
 
 def _set_layout_env(monkeypatch, value):
@@ -139,3 +213,50 @@ def test_cpu_backend_declaration_is_vllms():
 
     names = [x.name for x in CPUAttentionBackend.supported_kv_cache_layouts()]
     assert names == ["LBHNC"]
+
+
+def _worker_config(model, connector, **kw):
+    return EngineArgs(
+        model=str(model),
+        kv_transfer_config=connector,
+        kv_cache_memory_bytes=1 << 26,
+        max_model_len=1024,
+        **kw,
+    ).create_engine_config()
+
+
+def test_cpu_workers_report_blhnc_only_to_an_opt_in(model_8l):
+    """CPU_ATTN's list (LBHNC) gains BLHNC for a connector that opts in, and
+    for no one else (vLLM's backend selection for the model, no engine)."""
+    from vllm_kvmem.layout import worker_layouts
+
+    assert worker_layouts(_worker_config(model_8l, EXAMPLE), ["LBHNC"]) == [
+        "LBHNC",
+        "BLHNC",
+    ]
+    for connector in (None, VLLM_ONLY):
+        cfg = _worker_config(model_8l, connector)
+        assert worker_layouts(cfg, ["LBHNC"]) == ["LBHNC"]
+
+
+def test_cpu_mla_workers_never_report_a_block_outer_layout(tmp_path):
+    """vLLM's CPU_MLA declares no layouts (any, to vLLM) but fails on
+    block-outer ones: with any connector configured the worker reports only
+    the layer-outer part of vLLM's list, so vLLM cannot pick BLHNC; without
+    one, vLLM's list is unchanged."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from tests.helpers import write_mla_model
+    from vllm_kvmem.layout import worker_layouts
+
+    assert CPUMLABackend.supported_kv_cache_layouts() is None  # the vLLM bug
+    vllms = [x.name for x in attn_utils.get_supported_kv_cache_layouts([CPUMLABackend])]
+    assert "BLHNC" in vllms
+    model = write_mla_model(tmp_path / "mla")
+    layer_outer = [n for n in vllms if not KVCacheLayout[n].is_block_outermost]
+    for connector in (EXAMPLE, REQUIRED, VLLM_ONLY):
+        cfg = _worker_config(model, connector, load_format="dummy")
+        assert worker_layouts(cfg, vllms) == layer_outer
+    cfg = _worker_config(model, None, load_format="dummy")
+    assert worker_layouts(cfg, vllms) == vllms

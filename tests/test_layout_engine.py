@@ -81,3 +81,38 @@ def test_opted_in_connector_gets_the_contiguous_layout(model_8l):
     assert r["layout"] == "BLHNC"
     assert 8 * r["page_bytes"] in r["view_stride_bytes"]
     assert "Using BLHNC KV cache layout: contiguous across layers" in run.log
+
+
+def test_mla_model_with_a_connector_requiring_blhnc_serves(tmp_path):
+    """vLLM's CPU MLA backend takes BLHNC when a connector asks (it declares
+    no layouts) and then fails in its first forward pass (a vLLM bug, plugin
+    or not). With the plugin the worker withholds block-outer layouts from
+    CPU_MLA: the engine core resolves LBNHC, one line says why, and the model
+    serves. Multi-process, so the worker side runs in a worker process."""
+    from tests.helpers import write_mla_model
+
+    model = write_mla_model(tmp_path / "mla")
+    run = run_engine(
+        dict(
+            model=str(model),
+            load_format="dummy",  # random weights made by vLLM
+            kv_cache_memory_bytes=32 << 20,
+            max_model_len=1024,
+            enforce_eager=True,
+            kv_transfer_config={
+                **OPTED_IN,
+                "kv_connector": "BlockOuterRequiredConnector",
+            },
+        ),
+        {"prompts": ["The KV cache of a latent attention model"], "max_tokens": 4},
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    )
+    assert run.returncode == 0, run.log[-4000:]
+    (r,) = run.ranks
+    assert r["layout"] == "LBNHC"
+    assert len(run.report["token_ids"][0]) == 4
+    said = [ln for ln in run.log.splitlines() if "asks for the contiguous" in ln]
+    assert len(said) == 1, said
+    assert "the model uses MLA on CPU" in said[0]
+    assert said[0].endswith("using vLLM's LBNHC KV cache layout (per layer).")
+    assert "Using BLHNC" not in run.log

@@ -1,27 +1,16 @@
-"""Let CPU_ATTN take the block-outer BLHNC layout, for connectors that opt in."""
+"""Let CPU_ATTN take the block-outer BLHNC layout, for connectors that opt in,
+and keep CPU_MLA off block-outer layouts, which it accepts but cannot run."""
 
 from __future__ import annotations
 
 from vllm_kvmem.patches._registry import Patch
 
-CPU_ATTN = "CPU_ATTN"
-
 
 def _make(original):
     def get_supported_kv_cache_layouts(self):
-        layouts = original(self)
-        if "BLHNC" in layouts or "LBHNC" not in layouts:
-            return layouts
-        from vllm_kvmem.layout import opted_in
+        from vllm_kvmem.layout import worker_layouts
 
-        if opted_in(self.vllm_config) is None:
-            return layouts  # no opt-in: vLLM's declaration, unchanged
-        from vllm.distributed.kv_transfer.kv_connector.utils import (
-            get_current_attn_backends,
-        )
-
-        names = {b.get_name() for b in get_current_attn_backends(self.vllm_config)}
-        return [*layouts, "BLHNC"] if names == {CPU_ATTN} else layouts
+        return worker_layouts(self.vllm_config, original(self))
 
     return get_supported_kv_cache_layouts
 
@@ -37,17 +26,29 @@ PATCH = Patch(
     why="CPU_ATTN declares only LBHNC, yet its kernel reads each layer's "
     "[H, N, C] block interior through the view's block stride, so it works on "
     "BLHNC views (block stride = layers x page). Without the declaration the "
-    "contiguous layout can never be chosen on CPU.",
+    "contiguous layout can never be chosen on CPU. CPU_MLA is the opposite: it "
+    "declares no layouts, which vLLM reads as any, but its "
+    "`do_kv_cache_update` views each layer's cache as contiguous rows and "
+    "fails on a block-outer view at the first forward pass (vLLM bug), so a "
+    "connector asking for BLHNC would crash an MLA model.",
     how="After vLLM's own list (the layouts every attention backend of the "
-    "worker declares): when the configured KV connector opts in to the "
-    "contiguous layout and every backend is CPU_ATTN, appends BLHNC after "
-    "LBHNC, so LBHNC stays vLLM's first choice and BLHNC is taken only through "
-    "the opt-in. Tests compare greedy output token for token between the two "
-    "layouts. (The worker's method rather than CPU_ATTN's classmethod: only "
-    "the worker knows its connector.)",
-    upstream="None yet: a one-line change to CPUAttentionBackend upstream.",
-    remove_when="vLLM's CPU_ATTN declares BLHNC itself.",
-    idle="Returns vLLM's own list unchanged: without a connector that opts in, "
-    "CPU_ATTN declares LBHNC only, and `VLLM_KV_CACHE_LAYOUT=BLHNC` is refused "
-    "by vLLM as without the plugin.",
+    "worker declares), only when a KV connector is configured: with a CPU_MLA "
+    "backend that declares no layouts, drops the block-outer layouts (vLLM "
+    "then keeps the MLA model on LBNHC and refuses a connector's BLHNC with "
+    "its own warning; the engine core's kv_cache_layout line says why); when "
+    "the connector opts in to the contiguous layout and every backend is "
+    "CPU_ATTN, appends BLHNC after LBHNC, so LBHNC stays vLLM's first choice "
+    "and BLHNC is taken only through the opt-in. Tests compare greedy output "
+    "token for token between the two layouts, and run an MLA model with a "
+    "connector that requires BLHNC. (The worker's method rather than the "
+    "backends' classmethods: only the worker knows its connector.)",
+    upstream="None yet: one-line changes to CPUAttentionBackend (declare "
+    "BLHNC) and CPUMLABackend (declare its layer-outer layouts) upstream.",
+    remove_when="vLLM's CPU_ATTN declares BLHNC itself and CPU_MLA declares "
+    "the layouts it can write (the MLA part stops by itself once it declares "
+    "any).",
+    idle="Returns vLLM's own list unchanged: without a KV connector nothing "
+    "is changed (CPU_ATTN declares LBHNC only, CPU_MLA any layout, and "
+    "`VLLM_KV_CACHE_LAYOUT=BLHNC` is refused or taken by vLLM as without the "
+    "plugin).",
 )

@@ -7,13 +7,15 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def resolve_kv_cache_layout(vllm_config, supported_layouts, kv_cache_specs=None):
-        from vllm_kvmem.layout import choose_layout
+        from vllm_kvmem.layout import choose_layout, log_choice
 
         specs = list(kv_cache_specs) if kv_cache_specs is not None else None
-        chosen = choose_layout(vllm_config, supported_layouts, specs)
-        if chosen is not None:
-            vllm_config.cache_config.kv_cache_layout = chosen
-        return original(vllm_config, supported_layouts, specs)
+        choice = choose_layout(vllm_config, supported_layouts, specs)
+        if choice.layout is not None:
+            vllm_config.cache_config.kv_cache_layout = choice.layout
+        layout = original(vllm_config, supported_layouts, specs)
+        log_choice(choice, layout)
+        return layout
 
     return resolve_kv_cache_layout
 
@@ -34,13 +36,15 @@ PATCH = Patch(
     how="Before vLLM resolves the layout, in vLLM's order: when no layout is "
     "set yet and VLLM_KV_CACHE_LAYOUT is unset (read first, so the connector "
     "is not consulted when it is set), and the configured connector class "
-    "returns True from `prefers_contiguous_kv_layout(vllm_config)`, checks "
-    "for one uniform "
-    "attention KV spec (no hybrid groups, no MLA) and a block-outer, "
-    "block-compact layout every worker supports; records BLHNC (or the first "
-    "such layout) on `cache_config.kv_cache_layout`, which vLLM then keeps, or "
-    "logs the failed condition and leaves vLLM's choice alone. Rebinds the "
-    "name imported into `vllm.v1.engine.core`.",
+    "returns True from `prefers_contiguous_kv_layout(vllm_config)`, applies "
+    "vLLM's own rule for a layout a connector asks for, on the specs vLLM "
+    "judges: a block-outer, block-compact layout in every worker's supported "
+    "set (hybrid models included; MLA on CPU never qualifies, see "
+    "cpu_attn_layouts); records BLHNC (or the first such layout) on "
+    "`cache_config.kv_cache_layout`, which vLLM then keeps. After vLLM has "
+    "resolved, logs one line naming the layout the tensors get, and, when "
+    "the contiguous one was not chosen, why. Rebinds the name imported into "
+    "`vllm.v1.engine.core`.",
     upstream="RFC #42082 (KV cache layouts); seed 002's proposal; no PR yet.",
     remove_when="vLLM resolves a conditional contiguous layout for connectors.",
     idle="vLLM's own resolution: with VLLM_KV_CACHE_LAYOUT set nothing else is "
