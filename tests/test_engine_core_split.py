@@ -142,7 +142,8 @@ def test_token_budget_gives_every_rank_exactly_the_blocks_needed(model_8l, token
     n = blocks.pop()
     assert _capacity(cfg, configs[0]) >= tokens
     bs = cfg.cache_config.block_size
-    assert (n - 1) * bs < tokens  # one block fewer would not hold them
+    # All but the null block hold them; one block fewer would not.
+    assert (n - 2) * bs < tokens <= (n - 1) * bs
     # Bytes follow each stage's own bytes per block (6 layers x 2 heads vs
     # 2 layers x 4 heads): 12 : 8.
     assert _alloc(configs[0]) * 8 == _alloc(configs[2]) * 12
@@ -153,33 +154,34 @@ def test_token_budget_larger_than_a_device_names_rank_and_tokens_that_fit(model_
     limits = [BIG, 10 << 20]
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), limits)
-    # 200,000 tokens are 1,563 blocks of 128 KiB on stage 1; its 10 MiB hold
-    # 80 blocks, 10,240 tokens.
+    # 200,000 tokens are 1,563 blocks of 128 KiB on stage 1, and the null
+    # block; its 10 MiB hold 80 blocks, 79 usable: 10,112 tokens.
     assert str(e.value) == (
-        "--kv-cache-tokens 200,000: rank 1 needs 1,563 blocks = 195.38 MiB of KV "
+        "--kv-cache-tokens 200,000: rank 1 needs 1,564 blocks = 195.50 MiB of KV "
         "cache, more than its device can hold (10.00 MiB free after loading the "
-        "model). Use --kv-cache-tokens 10,240 or less."
+        "model). Use --kv-cache-tokens 10,112 or less."
     )
-    fit = 10_240
+    fit = 10_112
     ok = _config(model_8l, tokens=fit)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), limits)
     assert _alloc(configs[1]) <= 10 << 20
     assert _capacity(ok, configs[1]) >= fit
 
 
-@pytest.mark.parametrize("tokens", [100, 512])
+@pytest.mark.parametrize("tokens", [100, 384])
 def test_token_budget_below_one_sequence_is_refused(model_8l, tokens):
     cfg = _config(model_8l, tokens=tokens, max_len=512)
     with pytest.raises(ValueError) as e:
         ku.get_kv_cache_configs(cfg, _specs(cfg, [6, 2]), [BIG, BIG])
-    # 512 tokens are 4 blocks, plus vLLM's null block: 5 blocks, 640 tokens.
+    # 512 tokens are 4 blocks, plus vLLM's null block: 5 blocks, which any
+    # budget above 3 blocks' 384 tokens buys.
     assert str(e.value) == (
         f"--kv-cache-tokens {tokens} cannot hold one 512-token sequence "
         "(max_model_len) next to vLLM's null block: that needs 5 blocks. Use "
-        "--kv-cache-tokens 640 or more, or lower --max-model-len."
+        "--kv-cache-tokens 385 or more, or lower --max-model-len."
     )
     # ... and the suggested minimum is accepted.
-    ok = _config(model_8l, tokens=640, max_len=512)
+    ok = _config(model_8l, tokens=385, max_len=512)
     configs = ku.get_kv_cache_configs(ok, _specs(ok, [6, 2]), [BIG, BIG])
     assert configs[0].num_blocks == 5  # 4 blocks of 128 tokens + the null block
 
@@ -227,15 +229,16 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
         "CUDA graph estimate, less 512.00 MiB for the host KV tier's staging "
         "buffers, less 150.00 MiB for headroom: 344.00 MiB)"
     )
-    # 344 MiB hold 917 blocks of 384 KiB (117,376 tokens) on stage 0, which
+    # 344 MiB hold 917 blocks of 384 KiB (916 usable: 117,248 tokens) on
+    # stage 0, which
     # gets 3/4 of a budget: 458 MiB at most.
     if flag == "tokens":
         assert str(e.value) == (
-            "--kv-cache-tokens 2,000,000: rank 0 needs 15,625 blocks = 5,859.38 MiB "
+            "--kv-cache-tokens 2,000,000: rank 0 needs 15,626 blocks = 5,859.75 MiB "
             f"of KV cache, more than its device can hold {limit}. Use "
-            "--kv-cache-tokens 117,376 or less."
+            "--kv-cache-tokens 117,248 or less."
         )
-        ok, limits = config(tokens=117_376)
+        ok, limits = config(tokens=117_248)
     else:
         assert str(e.value) == (
             "--enable-pp-prop-kv-cache: rank 0 (pipeline stage 0) gets 768.00 MiB of "

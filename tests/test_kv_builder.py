@@ -109,13 +109,13 @@ def test_the_plans_are_right(plans):
         assert heads[1] == 4 * heads[0]  # 4x the KV heads: 4x the share
         override = plan["num_gpu_blocks_override"]["configs"]
         assert [c["num_blocks"] for c in override] == [7, 7]
-        # 1,000 tokens: 8 blocks of 128, less vLLM's null block for one
-        # sequence; auto-fit brings max_model_len down to what they hold.
+        # 1,000 tokens: 8 blocks of 128 and vLLM's null block; auto-fit
+        # brings max_model_len down to what the 8 hold.
         auto = plan["max-model-len auto, tokens 1,000"]
-        assert [c["num_blocks"] for c in auto["configs"]] == [8, 8]
-        assert auto["max_model_len"] == 7 * 128
+        assert [c["num_blocks"] for c in auto["configs"]] == [9, 9]
+        assert auto["max_model_len"] == 8 * 128
         (table,) = auto["tables"]
-        assert "--kv-cache-tokens 1,000; max_model_len 896" in table
+        assert "--kv-cache-tokens 1,000; max_model_len 1,024" in table
         # 4 MiB over 6 + 2 layers of 64 KiB blocks: 8 blocks on each stage.
         auto_pp = plan["max-model-len auto, pp-prop 4 MiB"]
         assert [c["num_blocks"] for c in auto_pp["configs"]] == [8, 8]

@@ -426,10 +426,10 @@ def test_token_budget_gets_exact_blocks_on_every_stage(llama: Path) -> None:
     cap = planner.plan_capacity(
         llama, pp=2, budget_tokens="400000", max_model_len=8192, proportional=True
     )
-    assert cap.num_blocks == 400_000 // 16 == 25_000
-    assert [s.kv_bytes for s in cap.stages] == [25_000 * MiB, 25_000 * MiB]
-    assert cap.tokens == 400_000  # what vLLM logs
-    assert cap.usable_tokens == 400_000 - 16  # the null block
+    assert cap.num_blocks == 400_000 // 16 + 1 == 25_001  # and the null block
+    assert [s.kv_bytes for s in cap.stages] == [25_001 * MiB, 25_001 * MiB]
+    assert cap.tokens == 400_016  # what vLLM logs
+    assert cap.usable_tokens == 400_000  # all but the null block: every token
     same = planner.plan_capacity(
         llama, pp=2, budget_tokens="400k", max_model_len=8192, proportional=False
     )
@@ -437,7 +437,7 @@ def test_token_budget_gets_exact_blocks_on_every_stage(llama: Path) -> None:
 
 
 @pytest.mark.parametrize(("bpr", "max_len"), [(512, 8192), (63, 1000), (19, 2048)])
-def test_token_budget_is_the_fewest_blocks_vllm_logs_as_enough(
+def test_token_budget_is_the_null_block_and_the_fewest_blocks_vllm_counts_enough(
     bpr: int, max_len: int
 ) -> None:
     # (19, 2048): a sliding window, whose logged tokens exceed its slots.
@@ -446,8 +446,8 @@ def test_token_budget_is_the_fewest_blocks_vllm_logs_as_enough(
 
     for tokens in (1, 999, 1000, 1001, 40_000, 123_457):
         b = km.blocks_for_tokens(tokens, logged)
-        assert logged(b) >= tokens
-        assert b == 1 or logged(b - 1) < tokens
+        assert logged(b - 1) >= tokens  # usable: all but the null block
+        assert b == 2 or logged(b - 2) < tokens
         # A guess on either side of the answer finds the same count.
         assert km.blocks_for_tokens(tokens, logged, guess=b + 17) == b
         assert km.blocks_for_tokens(tokens, logged, guess=max(1, b // 3)) == b
@@ -629,8 +629,10 @@ def test_budget_errors(llama: Path) -> None:
     with pytest.raises(ValueError, match="use at least 1026M per GPU") as e:
         planner.plan(llama, budget_bytes="1G", max_model_len=8192)
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="--kv-cache-tokens 8193 or more"):
-        planner.plan_capacity(llama, budget_tokens=8192, max_model_len=8192)
+    # 8,176 tokens buy 511 usable blocks of 16; one request needs 512.
+    with pytest.raises(ValueError, match="--kv-cache-tokens 8177 or more"):
+        planner.plan_capacity(llama, budget_tokens=8176, max_model_len=8192)
+    assert planner.plan_capacity(llama, budget_tokens=8177, max_model_len=8192)
     with pytest.raises(ValueError, match="fp8"):
         planner.plan_capacity(llama, budget_bytes="5G", kv_cache_dtype="nvfp4")
 

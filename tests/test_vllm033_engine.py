@@ -123,9 +123,9 @@ def test_host_tier_on_vllm_033_gives_identical_output_with_host_hits(
 @pytest.mark.engine
 @both_vllms
 def test_max_model_len_auto_fits_the_token_budget(model_8l, vllm_python):
-    """``--max-model-len auto`` with ``--kv-cache-tokens 1000``: vLLM's auto-fit
-    brings max_model_len down to what the 8 blocks hold for one sequence
-    beside vLLM's null block (on 0.33 as on 0.32)."""
+    """``--max-model-len auto`` with ``--kv-cache-tokens 1000``: 8 blocks and
+    vLLM's null block; vLLM's auto-fit brings max_model_len down to what the
+    8 hold (on 0.33 as on 0.32)."""
     run = run_engine(
         dict(
             model=str(model_8l),
@@ -139,6 +139,6 @@ def test_max_model_len_auto_fits_the_token_budget(model_8l, vllm_python):
     )
     assert run.returncode == 0, run.log[-4000:]
     (rank,) = run.ranks
-    assert rank["num_blocks"] == 8
-    assert rank["max_model_len"] == 7 * 128
-    assert "Auto-fit max_model_len: reduced from 4096 to 896" in run.log
+    assert rank["num_blocks"] == 9
+    assert rank["max_model_len"] == 8 * 128
+    assert "Auto-fit max_model_len: reduced from 4096 to 1024" in run.log

@@ -1,7 +1,8 @@
 """Token budgets: ``--kv-cache-tokens`` sizes the KV cache in tokens.
 
 Every rank gets exactly the blocks that many tokens need, as vLLM counts
-capacity, from the KV specs its workers report; with pipeline parallelism
+capacity, beside vLLM's null block (so every token asked for is usable),
+from the KV specs its workers report; with pipeline parallelism
 each stage's bytes follow its own KV bytes per block.
 
 * API server: :func:`check_budget_flags` refuses a token budget next to a byte
@@ -77,7 +78,8 @@ def token_budget_memory(
     described = limits_for(vllm_config, limits)
     for rank, (need, limit) in enumerate(zip(memory, limits)):
         if need > limit:
-            fit = va.tokens_in(vllm_config, groups[rank], limit // bpb[rank])
+            # The null block is one of the blocks that fit.
+            fit = va.tokens_in(vllm_config, groups[rank], limit // bpb[rank] - 1)
             raise ValueError(
                 f"{TOKENS_FLAG} {tokens:,}: rank {rank} needs {blocks:,} blocks = "
                 f"{mib(need)} of KV cache, more than its device can hold "
@@ -106,7 +108,8 @@ def _check_holds_a_sequence(
     )
     if blocks >= need:
         return
-    least = max(va.tokens_in(vllm_config, g, need) for g in groups if g)
+    # The least budget that buys need blocks: one token more than need - 2 hold.
+    least = max(va.tokens_in(vllm_config, g, need - 2) for g in groups if g) + 1
     max_len = vllm_config.model_config.max_model_len
     raise ValueError(
         f"{TOKENS_FLAG} {tokens:,} cannot hold one {max_len:,}-token sequence "

@@ -436,14 +436,13 @@ def vllm_capacity(
 def blocks_for_tokens(
     tokens: int, capacity: Callable[[int], int], *, guess: int = 1
 ) -> int:
-    """Blocks a ``--kv-cache-tokens`` budget buys: the fewest whose capacity,
-    as vLLM logs it (``capacity(blocks)``, never falling as blocks grow), is
-    at least ``tokens``.
+    """Blocks a ``--kv-cache-tokens`` budget buys: vLLM's null block plus the
+    fewest blocks whose capacity, as vLLM counts it (``capacity(blocks)``,
+    never falling as blocks grow), is at least ``tokens``. So the tokens
+    asked for are all usable: the scheduler never hands out the null block.
 
     The planner passes :func:`vllm_capacity` and a close ``guess``; the engine
-    passes vLLM's own ``get_kv_cache_capacity`` over its KV cache groups. The
-    null block is one of the blocks, so the scheduler can use one block less
-    than vLLM logs.
+    passes vLLM's own ``get_kv_cache_capacity`` over its KV cache groups.
     """
     if tokens <= 0:
         raise ValueError(f"--kv-cache-tokens={tokens}: must be positive, e.g. 400000")
@@ -456,12 +455,16 @@ def blocks_for_tokens(
             hi = mid
         else:
             lo = mid + 1
-    return hi
+    return hi + 1
 
 
 def min_tokens(blocks_per_request: int, max_model_len: int) -> int:
-    """Least ``--kv-cache-tokens`` that starts: one more than ``bpr`` blocks log."""
-    return vllm_capacity(blocks_per_request, blocks_per_request, max_model_len)[0] + 1
+    """Least ``--kv-cache-tokens`` that starts: one more than ``bpr - 1``
+    blocks hold, so that the budget buys ``bpr`` usable blocks (one request)
+    beside the null block."""
+    return (
+        vllm_capacity(blocks_per_request - 1, blocks_per_request, max_model_len)[0] + 1
+    )
 
 
 def min_blocks(blocks_per_request: int) -> int:
@@ -695,7 +698,8 @@ def budget_for_concurrency(
         num_blocks=blocks,
         per_gpu_bytes=blocks * max(bytes_per_block),
         proportional_bytes=blocks * sum(bytes_per_block),
-        tokens=vllm_capacity(blocks, blocks_per_request, max_model_len)[0],
+        # --kv-cache-tokens buys the null block beside the tokens it names.
+        tokens=vllm_capacity(blocks - 1, blocks_per_request, max_model_len)[0],
         allocated_bytes=blocks * sum(bytes_per_block),
     )
 
