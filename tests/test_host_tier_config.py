@@ -144,3 +144,46 @@ def test_memory_check_keeps_a_fifth_of_available_memory_free(model_8l, available
     register()
     with pytest.raises(ValueError, match=r"limit 80% of the 10\.00 GiB"):
         _args(model_8l, kv_host_cache_bytes=9 * GIB).create_engine_config()
+
+
+def test_hybrid_model_keeps_vllms_hybrid_kv_cache_manager(tmp_path):
+    """The connector implements SupportsHMA: vLLM keeps its hybrid KV cache
+    manager for a sliding-window + full-attention model with the tier on."""
+    from vllm_kvmem.tiny_model import build_tiny_model
+
+    model = build_tiny_model(
+        tmp_path / "hybrid", num_layers=4, sliding_window=256, sliding_window_pattern=2
+    )
+    cfg = _args(model, kv_host_cache_bytes="64M").create_engine_config()
+    assert cfg.kv_transfer_config.kv_connector == CONNECTOR_NAME
+    assert cfg.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+@pytest.mark.parametrize(
+    "write,reason",
+    [
+        ("write_mla_model", "the model uses MLA"),
+        ("write_mamba_hybrid_model", "Mamba or linear-attention state"),
+    ],
+)
+def test_model_the_tier_cannot_serve_is_refused_before_vllm_builds_its_config(
+    tmp_path, write, reason
+):
+    """Refused in one line as soon as vLLM has the model's config, before the
+    VllmConfig picks the KV cache manager from the connector: the config is
+    the one vLLM builds without the flag (no connector)."""
+    import tests.helpers
+
+    model = getattr(tests.helpers, write)(tmp_path / "m")
+    kw = dict(load_format="dummy", max_model_len=1024)
+    with captured_log("vllm.kvmem") as records:
+        cfg = _args(model, kv_host_cache_bytes="64M", **kw).create_engine_config()
+    off = [r.getMessage() for r in records if "Host KV tier off" in r.getMessage()]
+    assert len(off) == 1 and reason in off[0], off
+    assert off[0].endswith("; serving continues without it.")
+    assert cfg.kv_transfer_config is None
+    plain = _args(model, **kw).create_engine_config()
+    assert (
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager
+        == plain.scheduler_config.disable_hybrid_kv_cache_manager
+    )

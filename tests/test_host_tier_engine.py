@@ -9,11 +9,16 @@ process, with the multi-process engine, and on a pipeline of 2.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers import (
     ENGINE_TIMEOUT_S,
+    HOST_TIER_DTYPE,
     ROOT,
+    assert_agrees,
+    both_vllms,
     engine_env,
     host_tier_kwargs,
     host_tier_workload,
@@ -64,18 +69,170 @@ def test_pipeline_of_two_output_identical_with_host_hits(model_8l):
     assert on.log.count("Host KV tier on this rank") == 2  # both stages hold a slice
 
 
-def test_unsupported_model_turns_the_tier_off_and_serves(tmp_path):
+# -- hybrid models: sliding-window and full-attention layers ------------------
+
+WINDOW = 256
+HYBRID_DEVICE_KV = 16 << 20  # 64 blocks of 2 layers x 128 tokens (float32)
+# vLLM's own lines when its hybrid KV cache manager is turned off.
+HMA_OFF = (
+    "Turning off hybrid kv cache manager",
+    "Hybrid KV cache manager is disabled",
+)
+
+
+@pytest.fixture(scope="module")
+def model_hybrid(tmp_path_factory):
+    """8 layers, every 4th full attention and the others a 256-token window
+    (Gemma-3-like): vLLM's hybrid KV cache manager makes 4 KV cache groups of
+    2 layers (3 sliding-window, 1 full-attention)."""
     from vllm_kvmem.tiny_model import build_tiny_model
 
-    model = build_tiny_model(tmp_path / "sw", num_layers=4, sliding_window=256)
-    run = run_engine(
-        host_tier_kwargs(model, True, enforce_eager=True),
-        {"prompts": ["a short prompt"], "max_tokens": 4},
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+    return build_tiny_model(
+        tmp_path_factory.mktemp("hybrid"),
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
     )
-    assert run.returncode == 0, run.log[-4000:]
-    assert run.log.count("Host KV tier off: its layers use SlidingWindowSpec") == 1
-    assert len(run.report["token_ids"][0]) == 4
+
+
+def _hybrid_kwargs(model, host, **extra):
+    """The host tier's engine arguments; prefill chunks of 256 tokens, so a
+    sliding-window group holds a few blocks per request where a full-attention
+    one holds 16 (max_model_len 2048): vLLM's own capacity figure shows the
+    difference."""
+    kw = host_tier_kwargs(model, host, max_num_batched_tokens=256, **extra)
+    kw["kv_cache_memory_bytes"] = HYBRID_DEVICE_KV
+    return kw
+
+
+def _kv_cache_groups(run) -> int:
+    """KV cache groups vLLM formed (its engine core logs their block sizes
+    when there are several)."""
+    sizes = re.findall(r"kv cache group sizes \(([^)]*)\)", run.log)
+    return len([x for x in sizes[0].split(",") if x.strip()]) if sizes else 1
+
+
+def _check_same_kv_cache(off, on, groups):
+    """With the tier as without: vLLM's hybrid KV cache manager stays on, with
+    the same groups, blocks and capacity on every rank."""
+    assert off.returncode == 0, off.log[-4000:]
+    assert on.returncode == 0, on.log[-4000:]
+    assert _kv_cache_groups(off) == _kv_cache_groups(on) == groups
+    for line in HMA_OFF:
+        assert line not in on.log
+    assert len(on.ranks) == len(off.ranks)
+    for a, b in zip(off.ranks, on.ranks):
+        assert (b["num_blocks"], b["tokens"]) == (a["num_blocks"], a["tokens"])
+        assert b["concurrency"] == pytest.approx(a["concurrency"])
+
+
+def _unified_concurrency(rank) -> float:
+    """What a rank's memory would hold with every layer sized as full
+    attention (vLLM's hybrid KV cache manager off): a max_model_len request
+    in blocks of every layer."""
+    all_layers = rank["kv_bytes"] // (rank["layers"] * rank["page_bytes"])
+    return all_layers / -(-rank["max_model_len"] // rank["block_size"])
+
+
+def _hybrid_run(model, host, python=None):
+    """The single-stage hybrid run without or with the tier, on the vLLM of
+    ``python`` (this interpreter's by default), shared by the tests below."""
+    kwargs = _hybrid_kwargs(model, host, enforce_eager=True)
+    env = dict(python=python, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return run_engine(kwargs, host_tier_workload(), **env)
+
+
+@both_vllms
+def test_hybrid_model_keeps_its_kv_cache_groups_with_host_hits(
+    model_hybrid, vllm_python
+):
+    """The tier serves the sliding-window groups too: host hits on the second
+    pass (a hit restores each group's blocks the prefix needs) and identical
+    greedy output, with vLLM's hybrid KV cache manager and its capacity."""
+    off = _hybrid_run(model_hybrid, False, vllm_python)
+    on = _hybrid_run(model_hybrid, True, vllm_python)
+    _check_same_kv_cache(off, on, groups=4)
+    # The same device holds twice as many 2048-token requests as it would
+    # with the manager off (16 MiB: 2.06x against 1.0x).
+    assert on.ranks[0]["concurrency"] >= 2 * _unified_concurrency(on.ranks[0])
+    _check_identical_and_hits(off, on)
+    # Every document's prefix comes back, not only the full-attention group's.
+    assert min(on.report["cached_tokens"][1]) >= 6 * on.ranks[0]["block_size"]
+    assert (
+        "for 4 KV cache groups (1 full attention, 3 sliding window of 256 tokens)"
+    ) in on.log
+
+
+@both_vllms
+def test_hybrid_model_layout_line_matches_its_tensors(model_hybrid, vllm_python):
+    """The tier asks for the contiguous layout; vLLM's rule gives it to a
+    hybrid model (same run as above), and the one line says BLHNC, as the
+    tensors are."""
+    on = _hybrid_run(model_hybrid, True, vllm_python)
+    assert on.returncode == 0, on.log[-4000:]
+    assert on.ranks[0]["layout"] == "BLHNC"
+    assert on.log.count("Using BLHNC KV cache layout: contiguous across layers") == 1
+    assert "per layer" not in on.log and "per-layer layout" not in on.log
+
+
+def test_hybrid_model_pipeline_of_two(model_hybrid):
+    """A pipeline of 2 (stage 1 holds two sliding-window layers and one full):
+    vLLM's hybrid KV cache manager stays on, every rank allocates what vLLM
+    allocates without the tier (the offline planner's figure, which
+    test_planner_agreement holds to real engines), each stage holds its slice
+    of every host block, and the output is the single-stage run's with host
+    hits (the baseline of the test above: one pipeline start, not two)."""
+    from vllm_kvmem.planner import plan_capacity
+
+    kw = dict(pipeline_parallel_size=2, compilation_config=PP_COMPILATION)
+    on = run_engine(
+        _hybrid_kwargs(model_hybrid, True, **kw),
+        host_tier_workload(),
+        VLLM_PP_LAYER_PARTITION="5,3",
+    )
+    off = _hybrid_run(model_hybrid, False)
+    assert on.returncode == 0, on.log[-4000:]
+    assert _kv_cache_groups(on) == 4
+    for line in HMA_OFF:
+        assert line not in on.log
+    plan = dict(
+        budget_bytes=HYBRID_DEVICE_KV,
+        max_model_len=2048,
+        max_num_batched_tokens=256,
+        platform="cpu",
+        dtype=HOST_TIER_DTYPE,
+        pp=2,
+        partition=[5, 3],
+    )
+    assert_agrees(on, plan_capacity(model_hybrid, **plan), 2048)
+    unified = plan_capacity(model_hybrid, hybrid=False, **plan)  # manager off
+    assert on.ranks[0]["tokens"] > unified.tokens
+    _check_identical_and_hits(off, on)
+    assert on.log.count("Host KV tier on this rank") == 2
+
+
+def test_sliding_window_model_is_served(tmp_path):
+    """Every layer sliding (one sliding-window KV cache group): served, with
+    host hits and identical output (the tier used to turn itself off)."""
+    from vllm_kvmem.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "sw", num_layers=4, sliding_window=WINDOW)
+    work = host_tier_workload()
+    kw = dict(enforce_eager=True, max_num_batched_tokens=256)
+    env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # 16 blocks: fewer than the 12 documents' last windows (3 blocks each),
+    # which are all a hit on a sliding window needs.
+    off, on = (
+        run_engine(
+            dict(host_tier_kwargs(model, host, **kw), kv_cache_memory_bytes=8 << 20),
+            work,
+            **env,
+        )
+        for host in (False, True)
+    )
+    _check_same_kv_cache(off, on, groups=1)
+    _check_identical_and_hits(off, on)
+    assert "Host KV tier off" not in on.log
+    assert "for 1 KV cache group (sliding window of 256 tokens)" in on.log
 
 
 def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched):

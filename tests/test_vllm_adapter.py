@@ -101,12 +101,44 @@ def test_pipeline_host_slot_bytes_counts_each_stage_once():
     def config(page, *names):
         spec = SimpleNamespace(page_size_bytes=page)
         group = SimpleNamespace(layer_names=list(names), kv_cache_spec=spec)
-        return SimpleNamespace(kv_cache_groups=[group])
+        tensor = SimpleNamespace(
+            offset=0, layers=list(names), layer_stride=page * 10, block_stride=page
+        )
+        return SimpleNamespace(kv_cache_groups=[group], kv_cache_tensors=[tensor])
 
     # TP=2 x PP=2, stage 0 with 3 layers of 4 KiB pages, stage 1 with 1.
     configs = [config(4096, "a", "b", "c"), config(4096, "d")] * 2
     assert va.host_slot_bytes(configs[0]) == 3 * 4096
     assert va.pipeline_host_slot_bytes(configs) == 4 * 4096
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])
+def test_host_slot_of_a_hybrid_model_is_one_physical_block(model_8l, layout):
+    """vLLM's hybrid KV cache manager overlays its groups (a block id belongs
+    to one group at a time): 2 full-attention and 6 sliding-window layers make
+    4 groups of 2 layers, whose tensors alias, so a block is 2 pages, not 8."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    vllm_config = EngineArgs(
+        model=str(model_8l), max_model_len=512, kv_cache_memory_bytes=64 << 20
+    ).create_engine_config()
+    vllm_config.cache_config.kv_cache_layout = layout  # the engine core resolves it
+    kw = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    specs = {
+        f"layers.{i}": FullAttentionSpec(**kw)
+        if i % 4 == 3
+        else SlidingWindowSpec(**kw, sliding_window=64)
+        for i in range(8)
+    }
+    page = specs["layers.0"].page_size_bytes
+    (config,) = get_kv_cache_configs(vllm_config, [specs], [400 * 2 * page])
+    assert len(config.kv_cache_groups) == 4
+    assert len(config.kv_cache_tensors) == 4  # one per group, overlaid
+    assert config.num_blocks == 400
+    assert va.host_slot_bytes(config) == 2 * page
 
 
 def test_capacity_is_vllms(model_8l, vllm_patched):

@@ -23,7 +23,10 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_kvmem.core.kv_region import PageGeometry
 
 _KU = "vllm.v1.core.kv_cache_utils"
 _KP = "vllm.v1.core.kv_cache_planning"  # vLLM 0.33
@@ -317,17 +320,44 @@ def reserved_bytes(kv_cache_config: Any) -> int:
 # ---------------------------------------------------------------- host slots
 
 
-def host_slot_bytes(kv_cache_config: Any) -> int:
-    """Host bytes of one block on a worker: every layer's page of it."""
-    total = 0
+def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Each layer's KV cache spec, as its group holds it (one spec for the
+    whole group, or one per layer in a ``UniformTypeKVCacheSpecs``)."""
+    out: dict[str, Any] = {}
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        specs = getattr(spec, "kv_cache_specs", None)
-        if specs:
-            total += sum(s.page_size_bytes for s in specs.values())
-        else:
-            total += spec.page_size_bytes * len(g.layer_names)
-    return total
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        for name in g.layer_names:
+            out[name] = per_layer[name] if per_layer else spec
+    return out
+
+
+def page_geometries(kv_cache_config: Any) -> list[PageGeometry]:
+    """The byte geometry of every ``KVCacheTensor`` of a config."""
+    from vllm_kvmem.core.kv_region import PageGeometry
+
+    specs = layer_specs(kv_cache_config)
+    return [
+        PageGeometry(
+            offset=int(t.offset),
+            num_layers=len(t.layers),
+            page_bytes=int(specs[t.layers[0]].page_size_bytes),
+            layer_stride=int(t.layer_stride),
+            block_stride=int(t.block_stride),
+        )
+        for t in kv_cache_config.kv_cache_tensors
+    ]
+
+
+def host_slot_bytes(kv_cache_config: Any) -> int:
+    """Host bytes of one block on a worker: every layer's page of it, each
+    byte once (hybrid models overlay their KV cache groups, see
+    :func:`~vllm_kvmem.core.kv_region.distinct_regions`)."""
+    from vllm_kvmem.core.kv_region import distinct_regions
+
+    return sum(
+        r.block_bytes for r in distinct_regions(page_geometries(kv_cache_config))
+    )
 
 
 def pipeline_host_slot_bytes(kv_cache_configs: Sequence[Any]) -> int:

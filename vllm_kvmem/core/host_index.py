@@ -70,6 +70,19 @@ class HostBlockIndex:
             self._touch(key)
         return slots
 
+    def slot_of(self, key: Hashable) -> int | None:
+        """The slot holding ``key``, or None; not a use (nothing refreshed,
+        nothing counted): a lookup looks at many keys and uses some."""
+        return self._slots.get(key)
+
+    def use(self, keys: Sequence[Hashable], looked: int) -> None:
+        """Count a lookup of ``looked`` blocks that hit the blocks ``keys``
+        (all held here), and refresh them under LRU."""
+        self.counters.lookup_blocks += looked
+        self.counters.hit_blocks += len(keys)
+        for key in keys:
+            self._touch(key)
+
     def put(self, key: Hashable) -> int | None:
         """Make room for ``key`` and return its new slot (the caller copies the
         block there). None if it is already held (nothing to copy) or if every

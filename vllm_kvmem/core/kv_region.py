@@ -280,3 +280,72 @@ def _prod(values: Sequence[int]) -> int:
 def host_slot_bytes(regions: Sequence[KVRegion]) -> int:
     """Bytes of one host slot: every layer of one block over all regions."""
     return sum(r.block_bytes for r in regions)
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """A ``KVCacheTensor``'s byte geometry without its tensor (the engine core
+    sizes the host tier from the KV cache configs before any worker has
+    allocated), with :class:`KVRegion`'s field names."""
+
+    offset: int
+    num_layers: int
+    page_bytes: int
+    layer_stride: int
+    block_stride: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.page_bytes
+
+
+def _page_starts(region: Any) -> set[int]:
+    """Where block 0's page of each layer of ``region`` starts."""
+    return {region.offset + i * region.layer_stride for i in range(region.num_layers)}
+
+
+def _covers(outer: Any, inner: Any) -> bool:
+    """Every page of ``inner`` is one of ``outer``'s, for every block."""
+    return (
+        inner.page_bytes == outer.page_bytes
+        and inner.block_stride == outer.block_stride
+        and _page_starts(inner) <= _page_starts(outer)
+    )
+
+
+def distinct_regions(regions: Sequence[Any]) -> list[Any]:
+    """The regions that hold one block's bytes, each byte once.
+
+    vLLM's hybrid KV cache manager overlays its KV cache groups: each group's
+    ``KVCacheTensor`` starts at byte 0 of the same allocation (``Groups alias
+    from byte 0``, ``get_kv_cache_config_from_groups``), which is sound because
+    a block id belongs to one group at a time. A block's bytes are therefore
+    the union of the groups' pages for that block id: a region whose pages are
+    all another region's (an overlaid group with as many or fewer layers) is
+    dropped, so a copy moves each byte once and a host slot holds the block
+    whichever group owns it. Works on :class:`KVRegion` and
+    :class:`PageGeometry` alike, keeping their order. Raises ``ValueError``
+    when what is left still overlaps (a partial overlay no block copy can
+    follow).
+    """
+    order = sorted(range(len(regions)), key=lambda i: -regions[i].num_layers)
+    kept: list[int] = []
+    for i in order:
+        if not any(_covers(regions[k], regions[i]) for k in kept):
+            kept.append(i)
+    out = [regions[i] for i in sorted(kept)]
+    # Pages of blocks 0 and 1 of different regions must not share a byte.
+    spans = []
+    for n, region in enumerate(out):
+        for block in (0, 1):
+            for start in _page_starts(region):
+                begin = start + block * region.block_stride
+                spans.append((begin, begin + region.page_bytes, n))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end and a != b:
+            raise ValueError(
+                "KV cache tensors overlap only in part (neither holds all of the "
+                "other's pages), so a block cannot be copied region by region"
+            )
+    return out

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -21,6 +22,7 @@ from vllm_kvmem.host_tier.startup import (
     RUNTIME_KEY,
     SIZE_FLAG,
     default_step_bytes,
+    hit_groups,
     unsupported_reason,
 )
 from vllm_kvmem.host_tier.stats import HostTierPromMetrics, HostTierStats
@@ -28,8 +30,14 @@ from vllm_kvmem.host_tier.worker import HostTierWorker
 from vllm_kvmem.layout import ContiguousKVLayoutMixin
 
 
-class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
-    """vllm-kvmem's host tier, configured by ``--kv-host-cache-bytes``."""
+class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1, SupportsHMA):
+    """vllm-kvmem's host tier, configured by ``--kv-host-cache-bytes``.
+
+    ``SupportsHMA``: with it vLLM keeps its hybrid KV cache manager for models
+    with several KV cache groups (sliding-window and full-attention layers),
+    which the tier serves group by group; without it vLLM would turn that
+    manager off for any model and give sliding-window layers full-attention
+    memory."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -44,7 +52,8 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
                 f"({self.pipeline_slot_bytes} bytes per block)"
             )
         self.enabled = not reason
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        groups = kv_cache_config.kv_cache_groups
+        self.block_size = groups[0].kv_cache_spec.block_size if groups else 0
         self.step_bytes = self._cfg.kv_host_cache_step_bytes or default_step_bytes()
         self.verify = self._cfg.kv_host_cache_verify
         self.connector_scheduler: HostTierScheduler | None = None
@@ -58,6 +67,7 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
                 pipeline_slot_bytes=self.pipeline_slot_bytes,
                 block_size=self.block_size,
                 step_bytes=self.step_bytes,
+                groups=hit_groups(kv_cache_config) if self.enabled else (),
             )
         else:
             self.connector_worker = HostTierWorker(
@@ -100,6 +110,13 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]):
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The tier never holds a finished request's blocks: it copies blocks
+        # when vLLM evicts them, whichever group they belong to.
+        return self._scheduler.request_finished(request, [])
 
     def reset_cache(self) -> bool | None:
         if self.connector_scheduler is None:

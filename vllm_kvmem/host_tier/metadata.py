@@ -21,6 +21,9 @@ class LoadChunk:
     # Loaded before this step's forward, which reads the blocks (the request
     # is in this step's batch); else in the background, reported when done.
     sync: bool = False
+    # Blocks vLLM allocated for the hit that the host holds no copy of:
+    # reported as failed loads, so vLLM recomputes them.
+    invalid: list[int] = field(default_factory=list)
 
 
 @dataclass

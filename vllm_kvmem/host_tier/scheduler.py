@@ -41,6 +41,50 @@ def notify_evicted(block: Any) -> None:
         _evict_listener(block)
 
 
+@dataclass(frozen=True)
+class GroupWindow:
+    """What a prefix hit needs of one KV cache group: every block of the
+    prefix (full attention, ``window`` None), or only the blocks the next
+    token still attends to (sliding window)."""
+
+    group_id: int
+    window: int | None = None
+    extra_retained: int = 0  # tokens kept below the window (vLLM's MTP margin)
+
+    def first_needed(self, end_block: int, block_size: int) -> int:
+        """The first block a hit ending before block ``end_block`` needs:
+        vLLM nulls the blocks before it (``get_num_skipped_tokens`` of the
+        group's manager, on the hit's tokens)."""
+        if self.window is None:
+            return 0
+        skipped = end_block * block_size - self.window + 1 - self.extra_retained
+        return max(0, skipped) // block_size
+
+
+def describe_groups(groups: tuple[GroupWindow, ...]) -> str:
+    """``1 KV cache group (full attention)``, ``4 KV cache groups (1 full
+    attention, 3 sliding window of 256 tokens)``: what a hit restores."""
+    kinds: dict[str, int] = {}
+    for g in groups:
+        kind = "full attention"
+        if g.window is not None:
+            kind = f"sliding window of {g.window} tokens"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    if len(groups) == 1:
+        return f"1 KV cache group ({next(iter(kinds))})"
+    parts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    return f"{len(groups)} KV cache groups ({parts})"
+
+
+@dataclass
+class _Match:
+    """A request's host hit, pinned until vLLM allocates its blocks."""
+
+    start: int  # first block of the hit
+    slots: dict[tuple[int, int], int]  # (group, block position) -> host slot
+    sync: bool
+
+
 @dataclass
 class _Load:
     """A request's host hits, handed to the workers a chunk per step."""
@@ -50,6 +94,7 @@ class _Load:
     slots: list[int]  # every slot of the load, pinned until it finishes
     cancelled: bool = False
     sent: dict[int, int] = field(default_factory=dict)  # block -> slot handed out
+    invalid: list[int] = field(default_factory=list)  # blocks with no host copy
 
 
 class HostTierScheduler(CountsStats):
@@ -65,8 +110,10 @@ class HostTierScheduler(CountsStats):
         pipeline_slot_bytes: int,
         block_size: int,
         step_bytes: int,
+        groups: tuple[GroupWindow, ...] = (GroupWindow(0),),
     ) -> None:
-        """``reason``: why the tier is off (empty when on)."""
+        """``reason``: why the tier is off (empty when on); ``groups``: the
+        KV cache groups a hit restores (all of vLLM's, in its order)."""
         global _evict_listener
         super().__init__()
         self._cfg = cfg
@@ -75,11 +122,13 @@ class HostTierScheduler(CountsStats):
         self.pipeline_slot_bytes = pipeline_slot_bytes
         self.block_size = block_size
         self.step_bytes = step_bytes
+        # Full-attention groups first: their hit is a plain prefix, which
+        # bounds the search in the sliding-window ones.
+        self.groups = tuple(sorted(groups, key=lambda g: g.window is not None))
         self._seq = 0
         self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
         self._evict_saves: list[tuple[int, int]] = []
-        # req -> (first block, slots, load synchronously), until allocated
-        self._matched: dict[str, tuple[int, list[int], bool]] = {}
+        self._matched: dict[str, _Match] = {}  # until vLLM allocates the request
         self._sync_loads: list[LoadChunk] = []  # this step's
         self._sync_blocks = 0
         self._lookups: dict[str, tuple[int, int]] = {}
@@ -113,12 +162,13 @@ class HostTierScheduler(CountsStats):
         _evict_listener = self._on_evicted
         logger.info(
             "Host KV tier: %d blocks of %d tokens (%s GiB per TP shard, %s "
-            "eviction); background copies up to %d MiB per step each way, "
-            "late spills %s.",
+            "eviction) for %s; background copies up to %d MiB per step each "
+            "way, late spills %s.",
             self.num_slots,
             self.block_size,
             gib(self.num_slots * self.pipeline_slot_bytes),
             self._cfg.kv_host_cache_policy,
+            describe_groups(self.groups),
             self.step_bytes // MiB,
             "copied" if self._cfg.kv_host_cache_late_spill == "copy" else "dropped",
         )
@@ -128,12 +178,13 @@ class HostTierScheduler(CountsStats):
 
     def _on_evicted(self, block: Any) -> None:
         """vLLM hands a free cached block to another request (an eviction)."""
-        from vllm.v1.core.kv_cache_utils import get_block_hash
-
         covered = block.block_hash_num_tokens  # prefix tokens up to this block
         if covered is not None and covered % self.block_size:
             return  # a partial block: never looked up by full-block hashes
-        key = get_block_hash(block.block_hash)
+        # The key is vLLM's hash with the block's KV cache group: a
+        # sliding-window group's block of a prefix is not the full-attention
+        # group's block of the same prefix.
+        key = block.block_hash
         if key in self.index:
             self.index.put(key)  # refresh its place in the host LRU
             self._count(blocks_evicted_on_host=1)
@@ -159,29 +210,85 @@ class HostTierScheduler(CountsStats):
         stop = min(
             len(request.block_hashes), (request.num_tokens - 1) // self.block_size
         )
+        old = self._matched.pop(request.request_id, None)
+        if old:
+            self.index.unpin(list(old.slots.values()))
         if stop <= start:
             return 0, False
-        keys = request.block_hashes[start:stop]
-        slots = self.index.match_prefix(keys)
-        hit, looked = len(slots) * self.block_size, len(keys) * self.block_size
+        end, slots = self._longest_hit(request.block_hashes, start, stop)
+        hit = (end - start) * self.block_size
+        looked = (stop - start) * self.block_size
         # Counted once the request is allocated: a waiting request is looked up
         # again every step.
         self._lookups[request.request_id] = (looked, hit)
-        old = self._matched.pop(request.request_id, None)
-        if old:
-            self.index.unpin(old[1])
         if not slots:
             return 0, False
-        self.index.pin(slots)
+        self.index.pin(list(slots.values()))
         # A hit that fits what is left of this step's load budget is loaded
         # before this step's forward and the request runs in this very step:
         # the other requests wait for at most one budget of copies either
         # way, and the request saves the two steps of the asynchronous path.
         sync = len(slots) <= self._sync_room()
-        self._matched[request.request_id] = (start, slots, sync)
+        self._matched[request.request_id] = _Match(start, slots, sync)
         # Otherwise asynchronous: the request waits for its own blocks in
         # WAITING_FOR_REMOTE_KVS while every other request keeps running.
         return hit, not sync
+
+    def _longest_hit(
+        self, block_hashes: Any, start: int, stop: int
+    ) -> tuple[int, dict[tuple[int, int], int]]:
+        """The longest prefix, ending at a block in ``(start, stop]``, whose
+        blocks the host holds for every KV cache group, as vLLM would use it:
+        a full-attention group needs every block from ``start`` on, a
+        sliding-window group only those the next token still attends to (the
+        ones before ``start`` are vLLM's own device hit). Returns its end
+        block and the host slot of each ``(group, position)`` to load."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        def slot(group: GroupWindow, pos: int) -> int | None:
+            key = make_block_hash_with_group_id(block_hashes[pos], group.group_id)
+            return self.index.slot_of(key)
+
+        end = stop
+        found: dict[tuple[int, int], int] = {}
+        runs: list[tuple[GroupWindow, list[int]]] = []
+        for group in self.groups:
+            if group.window is None:  # a prefix: stop at its first miss
+                for pos in range(start, end):
+                    if (s := slot(group, pos)) is None:
+                        end = pos
+                        break
+                    found[group.group_id, pos] = s
+                continue
+            # run[i]: host blocks in a row ending at position start + i
+            run, length = [], 0
+            for pos in range(start, end):
+                s = slot(group, pos)
+                length = length + 1 if s is not None else 0
+                run.append(length)
+                if s is not None:
+                    found[group.group_id, pos] = s
+            runs.append((group, run))
+        # The longest end at which every sliding-window group holds its window.
+        while end > start and not all(
+            run[end - 1 - start]
+            >= end - max(start, group.first_needed(end, self.block_size))
+            for group, run in runs
+        ):
+            end -= 1
+        slots = {}
+        for group in self.groups:
+            first = max(start, group.first_needed(end, self.block_size))
+            for pos in range(first, end):
+                slots[group.group_id, pos] = found[group.group_id, pos]
+        self.index.use(
+            [
+                make_block_hash_with_group_id(block_hashes[pos], gid)
+                for gid, pos in slots
+            ],
+            (stop - start) * len(self.groups),
+        )
+        return end, slots
 
     def _sync_room(self) -> int:
         """Blocks of this step's load budget not yet promised: queued
@@ -203,24 +310,71 @@ class HostTierScheduler(CountsStats):
         matched = self._matched.pop(request.request_id, None)
         if matched is None:
             return
-        start, slots, sync = matched
         n = num_external_tokens // self.block_size
-        self.index.unpin(slots[n:])
-        if n == 0:
+        end = matched.start + n
+        slots = dict(matched.slots)
+        pairs: list[tuple[int, int]] = []  # (slot, block)
+        invalid: list[int] = []
+        if n:
+            # Every block vLLM allocated for the hit gets its host copy: all of
+            # a full-attention group's, a sliding-window group's within the
+            # window (vLLM gives the others the null block).
+            tables = blocks.blocks
+            for group in self.groups:
+                table = tables[group.group_id]
+                for pos in range(matched.start, min(end, len(table))):
+                    block = table[pos]
+                    if block.is_null:
+                        continue
+                    slot = slots.pop((group.group_id, pos), None)
+                    if slot is None:  # not part of the hit offered
+                        slot = self._pin_held(request, group.group_id, pos)
+                    if slot is None:
+                        invalid.append(block.block_id)
+                    else:
+                        pairs.append((slot, block.block_id))
+        self.index.unpin(list(slots.values()))  # matched, not needed
+        if invalid:
+            # vLLM took a shorter hit than offered, whose window starts at
+            # blocks the host does not hold: reported as failed loads, so
+            # vLLM recomputes them.
+            logger.warning(
+                "Host KV tier: %d blocks of request %s have no host copy; they "
+                "are recomputed.",
+                len(invalid),
+                request.request_id,
+            )
+        if not pairs and not invalid:
             return
-        block_ids = blocks.get_block_ids()[0][start : start + n]
-        if sync:
+        if matched.sync:
             # Pinned until the workers get this step's copies; a save into a
             # slot reused later waits for the load on the workers.
             self._sync_loads.append(
-                LoadChunk(request.request_id, slots[:n], block_ids, True, sync=True)
+                LoadChunk(
+                    request.request_id,
+                    [s for s, _ in pairs],
+                    [b for _, b in pairs],
+                    True,
+                    sync=True,
+                    invalid=invalid,
+                )
             )
-            self._sync_blocks += n
-            self._step_pins += slots[:n]
+            self._sync_blocks += len(pairs)
+            self._step_pins += [s for s, _ in pairs]
             return
         self._load_queue[request.request_id] = _Load(
-            request.request_id, list(zip(slots[:n], block_ids)), slots[:n]
+            request.request_id, pairs, [s for s, _ in pairs], invalid=invalid
         )
+
+    def _pin_held(self, request: Any, group_id: int, pos: int) -> int | None:
+        """The host slot of a request's block, pinned, if the host holds it."""
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+        key = make_block_hash_with_group_id(request.block_hashes[pos], group_id)
+        slot = self.index.slot_of(key)
+        if slot is not None:
+            self.index.pin([slot])
+        return slot
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._seq += 1
@@ -255,8 +409,6 @@ class HostTierScheduler(CountsStats):
     def _fences(self) -> list[int]:
         """Blocks with a background save in flight that this step may
         overwrite: no longer free, or no longer holding the hash saved."""
-        from vllm.v1.core.kv_cache_utils import get_block_hash
-
         if not self._ahead or self._pool is None:
             return []
         fence = []
@@ -265,7 +417,7 @@ class HostTierScheduler(CountsStats):
             if (
                 block.ref_cnt == 0
                 and block.block_hash is not None
-                and get_block_hash(block.block_hash) == key
+                and block.block_hash == key
             ):
                 continue
             fence.append(block_id)
@@ -275,8 +427,6 @@ class HostTierScheduler(CountsStats):
     def _pick_ahead_saves(self) -> list[tuple[int, int]]:
         """Cached blocks next in line for eviction with no host copy yet,
         copied in the background up to the step budget."""
-        from vllm.v1.core.kv_cache_utils import get_block_hash
-
         queue = getattr(self._pool, "free_block_queue", None)
         if queue is None:
             return []
@@ -296,7 +446,7 @@ class HostTierScheduler(CountsStats):
             block_hash = node.block_hash
             if block_hash is not None and node.block_id not in self._ahead:
                 covered = node.block_hash_num_tokens
-                key = get_block_hash(block_hash)
+                key = block_hash  # with its KV cache group, as _on_evicted
                 if (covered is None or covered % self.block_size == 0) and (
                     key not in self.index
                 ):
@@ -328,8 +478,15 @@ class HostTierScheduler(CountsStats):
                 load.sent.update((b, s) for s, b in take)
             last = not load.pairs
             chunks.append(
-                LoadChunk(req_id, [s for s, _ in take], [b for _, b in take], last)
+                LoadChunk(
+                    req_id,
+                    [s for s, _ in take],
+                    [b for _, b in take],
+                    last,
+                    invalid=load.invalid,
+                )
             )
+            load.invalid = []
             if last:
                 del self._load_queue[req_id]
                 self._inflight_loads[req_id] = load
@@ -383,7 +540,7 @@ class HostTierScheduler(CountsStats):
         self._lookups.pop(req_id, None)
         matched = self._matched.pop(req_id, None)
         if matched is not None:
-            self.index.unpin(matched[1])
+            self.index.unpin(list(matched.slots.values()))
         load = self._load_queue.get(req_id) if self.enabled else None
         if load is not None:
             # Aborted while its loads wait: the rest is not copied, and the
@@ -407,8 +564,8 @@ class HostTierScheduler(CountsStats):
             self.index.pin(load.slots)
         for load in self._inflight_loads.values():
             self.index.pin(load.slots)
-        for _, slots, _ in self._matched.values():
-            self.index.pin(slots)
+        for match in self._matched.values():
+            self.index.pin(list(match.slots.values()))
         for chunk in self._sync_loads:  # this step's: unpinned once sent
             self.index.pin(chunk.slots)
             self._step_pins += chunk.slots

@@ -70,6 +70,38 @@ def add_connector_config(engine_args: Any) -> None:
         # served and never fatal to the request.
         kv_load_failure_policy="recompute",
     )
+    _refuse_unservable_model(engine_args)
+
+
+def installed(vllm_config: Any) -> bool:
+    """Whether the host tier's connector is configured (``--kv-host-cache-bytes``
+    given and the model not refused at startup)."""
+    kv_config = getattr(vllm_config, "kv_transfer_config", None)
+    return getattr(kv_config, "kv_connector", None) == CONNECTOR_NAME
+
+
+def _refuse_unservable_model(engine_args: Any) -> None:
+    """Drop the connector for a model the tier cannot serve, once vLLM has
+    built the model's config and before it builds the VllmConfig.
+
+    The VllmConfig picks the KV cache manager from the configured connector
+    (``SupportsHMA``), so the decision must come first: refused here, the
+    model runs exactly as without the flag (one log line says why). vLLM
+    builds the ModelConfig inside ``create_engine_config``; this wraps that
+    one call on this ``EngineArgs`` (the wrapper removes itself)."""
+    build = engine_args.create_model_config
+
+    def create_model_config() -> Any:
+        vars(engine_args).pop("create_model_config", None)
+        model_config = build()
+        if reason := unsupported_model_reason(model_config):
+            logger.warning(
+                "Host KV tier off: %s; serving continues without it.", reason
+            )
+            engine_args.kv_transfer_config = None
+        return model_config
+
+    engine_args.create_model_config = create_model_config
 
 
 def _check_executor(engine_args: Any, size: int) -> None:
@@ -228,6 +260,8 @@ def size_host_tier(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
     cfg = KVMemConfig.from_vllm_config(vllm_config)
     if cfg.kv_host_cache_bytes is None or not kv_cache_configs:
         return
+    if not installed(vllm_config) or unsupported_reason(kv_cache_configs[0]):
+        return  # refused at startup, or off once the connector starts
     slot_bytes = va.pipeline_host_slot_bytes(kv_cache_configs)
     runtime = vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
     runtime["host_num_slots"] = (
@@ -237,22 +271,81 @@ def size_host_tier(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
 
 
 def unsupported_reason(kv_cache_config: Any) -> str:
-    """Why the tier cannot serve this model/backend; empty when it can."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    """Why the tier cannot serve this model/backend; empty when it can.
+
+    Served: KV cache groups of full attention and of sliding-window
+    attention (vLLM's hybrid KV cache manager keeps one group per kind and
+    window), with one block size. What a model's config already shows (MLA,
+    Mamba state, no attention) is refused earlier, before vLLM chooses its
+    KV cache manager (:func:`unsupported_model_reason`); this is the check
+    on the KV cache groups vLLM actually formed."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return f"the model has {len(groups)} KV cache groups (hybrid attention)"
-    spec = groups[0].kv_cache_spec
-    if isinstance(spec, MLAAttentionSpec):
-        return "the model uses MLA"
-    if type(spec) is not FullAttentionSpec:
-        return f"its layers use {type(spec).__name__}, not full attention"
+    if not groups:
+        return "the model has no KV cache"
+    served = (FullAttentionSpec, SlidingWindowSpec)
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, MLAAttentionSpec):
+            return "the model uses MLA"
+        if type(spec) not in served:
+            return (
+                f"its layers use {type(spec).__name__}; it serves full-attention "
+                "and sliding-window KV cache groups only"
+            )
+        if getattr(g, "is_eagle_group", False):
+            return "a speculative decoding draft model has its own KV cache group"
+    sizes = sorted({g.kv_cache_spec.block_size for g in groups})
+    if len(sizes) > 1:
+        return f"its KV cache groups have different block sizes ({sizes})"
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
         return "vLLM zeroes new blocks of this model before connectors run"
     hash_bs = kv_cache_config.hash_block_size
-    if hash_bs not in (None, spec.block_size):
-        return f"prefix hashes cover {hash_bs} tokens, blocks {spec.block_size}"
+    if hash_bs not in (None, sizes[0]):
+        return f"prefix hashes cover {hash_bs} tokens, blocks {sizes[0]}"
+    from vllm_kvmem import vllm_adapter as va
+
+    try:
+        va.host_slot_bytes(kv_cache_config)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def hit_groups(kv_cache_config: Any) -> tuple[Any, ...]:
+    """What a host hit restores of each of vLLM's KV cache groups (a model
+    :func:`unsupported_reason` accepts)."""
+    from vllm_kvmem.host_tier.scheduler import GroupWindow
+
+    return tuple(
+        GroupWindow(
+            i,
+            getattr(g.kv_cache_spec, "sliding_window", None),
+            getattr(g.kv_cache_spec, "extra_retained_tokens", 0),
+        )
+        for i, g in enumerate(kv_cache_config.kv_cache_groups)
+    )
+
+
+def unsupported_model_reason(model_config: Any) -> str:
+    """Why the tier cannot serve a model, from its config alone; empty when
+    it may (the KV cache groups are checked again once vLLM forms them)."""
+    if model_config.is_attention_free:
+        return "the model has no attention KV cache"
+    if model_config.is_hybrid:
+        return (
+            "the model keeps Mamba or linear-attention state, which the tier "
+            "does not copy"
+        )
+    if model_config.use_mla:
+        return "the model uses MLA"
+    if model_config.is_encoder_decoder:
+        return "the model is an encoder-decoder (per-request cross-attention KV)"
     return ""
 
 

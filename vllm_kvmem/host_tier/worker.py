@@ -64,10 +64,12 @@ class HostTierWorker(CountsStats):
             return
         import torch
 
+        from vllm_kvmem import vllm_adapter as va
         from vllm_kvmem.core.copy_engine import BlockCopyEngine, HostBlockPool, KVRegion
+        from vllm_kvmem.core.kv_region import distinct_regions
 
         cfg = self._kv_cache_config
-        spec = cfg.kv_cache_groups[0].kv_cache_spec
+        specs = va.layer_specs(cfg)
         regions = []
         for tensor in cfg.kv_cache_tensors:
             storage = kv_caches[tensor.layers[0]].untyped_storage()
@@ -75,11 +77,14 @@ class HostTierWorker(CountsStats):
                 0, dtype=torch.uint8, device=kv_caches[tensor.layers[0]].device
             )
             base.set_(storage, 0, (storage.nbytes(),), (1,))
+            page = specs[tensor.layers[0]].page_size_bytes
             regions.append(
-                KVRegion.from_kv_cache_tensor(
-                    base, tensor, spec.page_size_bytes, cfg.num_blocks
-                )
+                KVRegion.from_kv_cache_tensor(base, tensor, page, cfg.num_blocks)
             )
+        # Hybrid models overlay their KV cache groups: one block's bytes are
+        # the union of the groups' pages, copied once (the same sum the
+        # scheduler sized the host slots with, va.host_slot_bytes).
+        regions = distinct_regions(regions)
         if self._engine is not None:
             # KV caches registered again (re-initialised): the old pool goes
             # first, so the host never holds two pools for one rank.
@@ -206,6 +211,7 @@ class HostTierWorker(CountsStats):
         started = time.perf_counter()
         waits = []
         for chunk in meta.loads:
+            self._load_errors.update(chunk.invalid)  # no host copy: recomputed
             job = self._load(chunk) if chunk.blocks else None
             if chunk.sync:
                 if job is not None:
