@@ -68,7 +68,7 @@ def test_the_series_is_one_patch_per_module_in_order(release):
     names = [p.name for p in release["files"]]
     assert len(names) == len(intree.ORDER)
     for i, (name, patch) in enumerate(zip(names, intree.patches()), start=1):
-        subject = re.sub(r"[^A-Za-z0-9]+", "-", patch.subject).strip("-")
+        subject = re.sub(r"[^A-Za-z0-9._]+", "-", patch.subject).strip("-")
         assert name == f"{i:04d}-{subject}.patch"
 
 
@@ -113,6 +113,39 @@ def test_new_files_carry_spdx_and_pass_vllms_ruff(release, tmp_path):
     ):
         done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+VLLM_FORMAT = ["--isolated", "--line-length=88", "--target-version=py310"]
+
+
+def test_edited_vllm_files_stay_formatted(release, tmp_path):
+    """vLLM's files that the series edits are ruff-formatted in the release;
+    so they are after the series."""
+    edited = sorted(
+        {
+            c.path
+            for p in intree.patches()
+            for c in p.for_series(release["series"])
+            if c.path.startswith("vllm/")
+        }
+    )
+    repo = tmp_path / "repo"
+    for path in edited:
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_bytes((release["src"] / path).read_bytes())
+    cmd = [sys.executable, "-m", "ruff", "format", "--check", "--diff", *VLLM_FORMAT]
+    before = subprocess.run([*cmd, *edited], cwd=repo, capture_output=True, text=True)
+    assert before.returncode == 0, before.stdout[-3000:]
+    for patch in release["files"]:
+        done = subprocess.run(
+            ["git", "apply", "--include=vllm/*", str(patch)],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+    after = subprocess.run([*cmd, *edited], cwd=repo, capture_output=True, text=True)
+    assert after.returncode == 0, after.stdout[-3000:]
 
 
 def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path):

@@ -58,7 +58,7 @@ _FIELD = '''
     proportion to each stage's KV cache bytes per block, so that every stage
     holds the same number of blocks. Requires `kv_cache_memory_bytes`."""'''
 
-_VALIDATOR = """
+_VALIDATOR = """\
     @model_validator(mode="after")
     def _validate_enable_pp_prop_kv_cache(self) -> "CacheConfig":
         if self.enable_pp_prop_kv_cache and self.kv_cache_memory_bytes is None:
@@ -69,8 +69,7 @@ _VALIDATOR = """
         return self
 """
 
-_SPLIT = '''
-
+_SPLIT = '''\
 def _split_kv_budget_across_pp_stages(
     vllm_config: VllmConfig,
     bytes_per_block: list[int],
@@ -111,6 +110,15 @@ def _split_kv_budget_across_pp_stages(
 '''
 
 
+def _conditional(bytes_per_block: str) -> str:
+    """``bytes if worker_spec else 0``, wrapped as ruff wraps it where it is
+    too long for one line at its indent (20 spaces)."""
+    line = f"{bytes_per_block} if worker_spec else 0"
+    if 20 + len(line) <= 88:
+        return line
+    return f"{bytes_per_block}\n{' ' * 20}if worker_spec\n{' ' * 20}else 0"
+
+
 def _planner_edit(path: str, bytes_per_block: str) -> Edit:
     return Edit(
         path,
@@ -129,7 +137,7 @@ def _planner_edit(path: str, bytes_per_block: str) -> Edit:
             available_memory = _split_kv_budget_across_pp_stages(
                 vllm_config,
                 [
-                    {bytes_per_block} if worker_spec else 0
+                    {_conditional(bytes_per_block)}
                     for groups, worker_spec in zip(
                         projected_groups_per_worker, kv_cache_specs
                     )
@@ -183,7 +191,7 @@ def _changes(planner: str, bytes_per_block: str, before_planner: str) -> list:
             "            enable_pp_prop_kv_cache=self.enable_pp_prop_kv_cache,\n",
         ),
         _planner_edit(planner, bytes_per_block),
-        Edit(planner, before_planner, _SPLIT + "\n", where="before"),
+        Edit(planner, before_planner, _SPLIT + "\n\n", where="before"),
         NewFile(
             "tests/v1/e2e/test_kv_cache_budget_engine.py",
             FILES / SLUG / "tests/v1/e2e/test_kv_cache_budget_engine.py",
