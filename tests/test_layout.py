@@ -240,17 +240,22 @@ def test_cpu_workers_report_blhnc_only_to_an_opt_in(model_8l):
 
 
 def test_cpu_mla_workers_never_report_a_block_outer_layout(tmp_path):
-    """vLLM's CPU_MLA declares no layouts (any, to vLLM) but fails on
+    """vLLM's CPU MLA backends declare no layouts (any, to vLLM) but fail on
     block-outer ones: with any connector configured the worker reports only
     the layer-outer part of vLLM's list, so vLLM cannot pick BLHNC; without
     one, vLLM's list is unchanged."""
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from tests.helpers import write_mla_model
-    from vllm_kvmem.layout import worker_layouts
+    from vllm_kvmem.layout import CPU_MLA_BACKENDS, worker_layouts
 
-    assert CPUMLABackend.supported_kv_cache_layouts() is None  # the vLLM bug
+    # The vLLM bug: both CPU MLA backends accept any layout. (This machine has
+    # no AMX tiles, so vLLM picks CPU_MLA below; AMX_MLA is handled the same.)
+    for backend in (CPUMLABackend, AMXMLABackend):
+        assert backend.get_name() in CPU_MLA_BACKENDS
+        assert backend.supported_kv_cache_layouts() is None
     vllms = [x.name for x in attn_utils.get_supported_kv_cache_layouts([CPUMLABackend])]
     assert "BLHNC" in vllms
     model = write_mla_model(tmp_path / "mla")

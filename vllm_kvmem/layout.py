@@ -209,17 +209,19 @@ def _why_not(supported_layouts: list[list[str]], specs: tuple[Any, ...]) -> str:
     )
 
 
-#: vLLM's CPU MLA backend (``vllm/v1/attention/backends/mla/cpu_mla.py``)
-#: declares no layouts, which vLLM reads as "any", but writes the cache as
-#: rows of one layer's contiguous view: ``do_kv_cache_update`` calls
-#: ``kv_cache.view(-1, kv_lora_rank + pe_dim)``, which fails on a block-outer
-#: view ("view size is not compatible with input tensor's size and stride")
-#: at the first forward pass. A vLLM bug in 0.32 and 0.33, plugin or not.
-CPU_MLA = "CPU_MLA"
+#: vLLM's CPU MLA backends declare no layouts, which vLLM reads as "any", but
+#: address the cache as rows of one layer's contiguous view, which fails on a
+#: block-outer view ("view size is not compatible with input tensor's size and
+#: stride") at the first forward pass: CPU_MLA in ``do_kv_cache_update``
+#: (``kv_cache.view(-1, kv_lora_rank + pe_dim)``, ``mla/cpu_mla.py``), AMX_MLA,
+#: which vLLM prefers on CPUs with AMX tiles, in ``forward_mqa``
+#: (``kv_c_and_k_pe_cache.view(-1, 1, head_size)``, ``mla/amx_mla.py``). A vLLM
+#: bug in 0.32 and 0.33, plugin or not.
+CPU_MLA_BACKENDS = ("CPU_MLA", "AMX_MLA")
 MLA_ON_CPU = (
-    "the model uses MLA on CPU, where vLLM's CPU_MLA backend accepts block-outer "
-    "layouts but fails on them (cpu_mla.py do_kv_cache_update, a vLLM bug), so "
-    "vllm-kvmem withholds them"
+    "the model uses MLA on CPU, where vLLM's CPU MLA backends accept block-outer "
+    "layouts but fail on them (cpu_mla.py do_kv_cache_update, amx_mla.py "
+    "forward_mqa: a vLLM bug), so vllm-kvmem withholds them"
 )
 
 
@@ -242,10 +244,10 @@ def worker_layouts(vllm_config: Any, layouts: list[str]) -> list[str]:
     """The layouts a CPU worker reports, as vLLM computes them (``layouts``)
     with two changes, both only when a KV connector is configured:
 
-    * MLA: vLLM's CPU_MLA backend, while it declares no layouts, loses the
-      block-outer ones (:data:`MLA_ON_CPU`), so that no connector, opted in
-      or naming one through ``get_required_kvcache_layout()``, can have the
-      first forward pass fail;
+    * MLA: vLLM's CPU MLA backends (:data:`CPU_MLA_BACKENDS`), while they
+      declare no layouts, lose the block-outer ones (:data:`MLA_ON_CPU`), so
+      that no connector, opted in or naming one through
+      ``get_required_kvcache_layout()``, can have the first forward pass fail;
     * CPU_ATTN alone, for a connector that opts in: BLHNC is added after
       LBHNC (its kernel reads each page through the view's block stride).
     """
@@ -258,8 +260,8 @@ def worker_layouts(vllm_config: Any, layouts: list[str]) -> list[str]:
 
     backends = get_current_attn_backends(vllm_config)
     names = {b.get_name() for b in backends}
-    mla = [b for b in backends if b.get_name() == CPU_MLA]
-    if mla and all(b.supported_kv_cache_layouts() is None for b in mla):
+    mla = [b for b in backends if b.get_name() in CPU_MLA_BACKENDS]
+    if any(b.supported_kv_cache_layouts() is None for b in mla):
         return [n for n in layouts if not layout_named(n).is_block_outermost]
     if "BLHNC" in layouts or "LBHNC" not in layouts or names != {CPU_ATTN}:
         return layouts

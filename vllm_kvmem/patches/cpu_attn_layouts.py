@@ -1,5 +1,6 @@
 """Let CPU_ATTN take the block-outer BLHNC layout, for connectors that opt in,
-and keep CPU_MLA off block-outer layouts, which it accepts but cannot run."""
+and keep vLLM's CPU MLA backends off block-outer layouts, which they accept
+but cannot run."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ PATCH = Patch(
     why="CPU_ATTN declares only LBHNC, yet its kernel reads each layer's "
     "[H, N, C] block interior through the view's block stride, so it works on "
     "BLHNC views (block stride = layers x page). Without the declaration the "
-    "contiguous layout can never be chosen on CPU. CPU_MLA is the opposite: it "
-    "declares no layouts, which vLLM reads as any, but its "
-    "`do_kv_cache_update` views each layer's cache as contiguous rows and "
-    "fails on a block-outer view at the first forward pass (vLLM bug), so a "
-    "connector asking for BLHNC would crash an MLA model.",
+    "contiguous layout can never be chosen on CPU. The CPU MLA backends are "
+    "the opposite: CPU_MLA and AMX_MLA declare no layouts, which vLLM reads as "
+    "any, but view each layer's cache as contiguous rows (CPU_MLA's "
+    "`do_kv_cache_update`, AMX_MLA's `forward_mqa`) and fail on a block-outer "
+    "view at the first forward pass (vLLM bug), so a connector asking for "
+    "BLHNC would crash an MLA model.",
     how="After vLLM's own list (the layouts every attention backend of the "
-    "worker declares), only when a KV connector is configured: with a CPU_MLA "
+    "worker declares), only when a KV connector is configured: with a CPU MLA "
     "backend that declares no layouts, drops the block-outer layouts (vLLM "
     "then keeps the MLA model on LBNHC and refuses a connector's BLHNC with "
     "its own warning; the engine core's kv_cache_layout line says why); when "
@@ -43,12 +45,14 @@ PATCH = Patch(
     "connector that requires BLHNC. (The worker's method rather than the "
     "backends' classmethods: only the worker knows its connector.)",
     upstream="None yet: one-line changes to CPUAttentionBackend (declare "
-    "BLHNC) and CPUMLABackend (declare its layer-outer layouts) upstream.",
-    remove_when="vLLM's CPU_ATTN declares BLHNC itself and CPU_MLA declares "
-    "the layouts it can write (the MLA part stops by itself once it declares "
-    "any).",
+    "BLHNC) and CPUMLABackend and AMXMLABackend (declare their layer-outer "
+    "layouts) upstream.",
+    remove_when="vLLM's CPU_ATTN declares BLHNC itself and CPU_MLA and "
+    "AMX_MLA declare the layouts they can use (the MLA part stops by itself "
+    "once they declare any).",
     idle="Returns vLLM's own list unchanged: without a KV connector nothing "
-    "is changed (CPU_ATTN declares LBHNC only, CPU_MLA any layout, and "
+    "is changed (CPU_ATTN declares LBHNC only, the CPU MLA backends any "
+    "layout, and "
     "`VLLM_KV_CACHE_LAYOUT=BLHNC` is refused or taken by vLLM as without the "
     "plugin).",
 )
