@@ -10,8 +10,8 @@ time in its own ``python -m pytest`` process:
 - in-tree: the series' file on a copy of the release's vLLM with the series
   applied, no plugin (``VLLM_PLUGINS=""`` and a ``vllm_kvmem`` that raises on
   import first on the path);
-- plugin: the same file, on the release's unmodified vLLM with vllm-kvmem
-  loaded through its entry point.
+- plugin: the same file (as the series leaves it), on the release's
+  unmodified vLLM with vllm-kvmem loaded through its entry point.
 
 Both must pass their own checks, and the reports they write
 (``KV_CACHE_TEST_REPORT``: per-rank layers, blocks, page and KV bytes,
@@ -41,12 +41,10 @@ ENGINE_TESTS = {
         "tests/v1/e2e/test_kv_cache_budget_engine.py",
         "test_pp_prop_kv_cache_splits_the_budget",
     ),
-}
-_SOURCES = {
-    c.path: c.source
-    for p in intree.patches()
-    for c in p.for_series("0.33")
-    if hasattr(c, "source")
+    "tokens": (
+        "tests/v1/e2e/test_kv_cache_budget_engine.py",
+        "test_kv_cache_tokens_sizes_the_cache",
+    ),
 }
 
 
@@ -138,7 +136,7 @@ def runs(request, release) -> dict[str, Any]:
             ),
             "plugin": _run(
                 r["python"],
-                _SOURCES[path],
+                r["copy"] / path,
                 test,
                 r["plugin_env"],
                 ROOT,

@@ -219,6 +219,31 @@ _TEST_RENAMES = (
 )
 
 
+_ENGINE_TEST = """
+
+def test_kv_cache_tokens_sizes_the_cache(request, monkeypatch, engine_env):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    load_general_plugins()
+    llm = LLM(
+        model=MODEL,
+        kv_cache_tokens=3000,
+        max_model_len=512,
+        enforce_eager=True,
+        dtype="float32",
+    )
+    ranks = _ranks(llm)
+    token_ids = _generate(llm)
+    _write_report(request, ranks=ranks, token_ids=token_ids)
+
+    # Every block but the null block holds the tokens; one fewer would not.
+    (rank,) = ranks
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    usable = (rank["num_blocks"] - 1) * block_size
+    assert usable - block_size < 3000 <= usable
+    assert all(len(t) == 8 for t in token_ids)
+"""
+
+
 def _changes(planner: str, builder: bool) -> list:
     """The edits for one release; ``builder``: vLLM 0.33's planner, which
     takes a ``KVCacheConfigBuilder``."""
@@ -316,6 +341,13 @@ def _changes(planner: str, builder: bool) -> list:
                 "            and vllm_config.cache_config.kv_cache_tokens is None\n",
             )
         )
+    changes.append(
+        Edit(
+            "tests/v1/e2e/test_kv_cache_budget_engine.py",
+            "    assert all(len(t) == 8 for t in token_ids)\n",
+            _ENGINE_TEST,
+        )
+    )
     changes.append(
         NewFile(
             "tests/v1/core/test_kv_cache_tokens.py",
