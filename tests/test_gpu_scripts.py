@@ -6,7 +6,10 @@
   report: markers, extras, the fixed point (requirements of packages that
   are not carried do not count), plans, estimates, the rendered report;
 - ``install_pieces.py status`` and ``check``;
-- ``stage1.sh --dry-run`` and ``stage2.sh --dry-run``.
+- ``stage1.sh --dry-run`` and ``stage2.sh --dry-run``;
+- issue 30's A/B (``ab_offload.py``): its dry run (the plan, no torch or
+  vLLM imported), its arms' flags as vLLM 0.32 parses them and the connector
+  keys its sources read, and its figures from synthetic runs.
 
 No network, nothing downloaded.
 """
@@ -391,3 +394,297 @@ def test_stage2_dry_run(tmp_path):
     assert "UNVERIFIED" in (GPU / "stage2.sh").read_text()
     bad = _run("stage2.sh", tmp_path, "--dry-run", "--items", "az")
     assert bad.returncode != 0 and "unknown items" in bad.stdout + bad.stderr
+
+
+# -- issue 30's A/B (ab_offload.py): plan and figures, no engine -------------------
+
+
+@pytest.fixture(scope="module")
+def ab():
+    bench = str(ROOT / "benchmarks")
+    had = bench in sys.path
+    yield from import_script(GPU / "ab_offload.py")
+    if not had and bench in sys.path:  # it puts serving_bench's folder there
+        sys.path.remove(bench)
+    sys.modules.pop("serving_bench", None)
+
+
+def _ab_dry_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(GPU / "ab_offload.py"), "--dry-run", "--out",
+         str(tmp_path), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_ab_offload_dry_run_plan(tmp_path):
+    arms = "none,tier,simple_lazy,offloading"
+    proc = _ab_dry_run(tmp_path, "--arms", arms)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "ab_offload_plan.json").read_text())
+    assert plan["imported_torch_or_vllm"] == []  # nothing of CUDA, no engine
+    assert "UNVERIFIED" in plan["status"]
+    assert list(plan["arms"]) == arms.split(",")
+    cmds = {a: plan["arms"][a]["server"] for a in plan["arms"]}
+    # Same model, device KV, batching and block size in every arm.
+    for flag in ("--model", "--kv-cache-memory-bytes", "--max-num-batched-tokens",
+                 "--block-size", "--max-model-len", "--dtype"):  # fmt: skip
+        assert len({_flag(c, flag) for c in cmds.values()}) == 1, flag
+    same = plan["equal_in_every_arm"]
+    assert int(_flag(cmds["none"], "--kv-cache-memory-bytes")) == 16 << 20
+    assert same["device_kv_blocks"] == 64 and same["host_blocks"] == 1024
+    # Same host bytes, each in its arm's own terms.
+    host = same["host_bytes"]
+    assert int(_flag(cmds["tier"], "--kv-host-cache-bytes")) == host
+    kv = json.loads(_flag(cmds["simple_lazy"], "--kv-transfer-config"))
+    assert kv["kv_connector"] == "SimpleCPUOffloadConnector"
+    assert kv["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": host,
+        "lazy_offload": True,
+    }
+    assert float(_flag(cmds["offloading"], "--kv-offloading-size")) * (1 << 30) == host
+    assert "--kv-host-cache-bytes" not in cmds["none"] + cmds["simple_lazy"]
+    # vLLM's own arms run without the plugin; ours with it.
+    assert plan["arms"]["simple_lazy"]["env"] == {"VLLM_PLUGINS": ""}
+    assert plan["arms"]["offloading"]["env"] == {"VLLM_PLUGINS": ""}
+    assert "VLLM_USE_SIMPLE_KV_OFFLOAD" in plan["arms"]["offloading"]["unset_env"]
+    assert plan["arms"]["tier"]["env"] == {} == plan["arms"]["none"]["env"]
+    wl = plan["workload"]
+    assert wl["concurrencies"] == [4, 8] and wl["prefix_len"] == 384
+    assert wl["levels"]["high"]["num_prefixes"] == 16
+    assert wl["probes"]["evict_prompts"] * 416 > 2 * 2048  # overflows the device
+    assert "_h100" in plan["output"]
+    # The default leaves the third arm out (the issue: "if device time allows").
+    proc = _ab_dry_run(tmp_path)
+    plan = json.loads((tmp_path / "ab_offload_plan.json").read_text())
+    assert list(plan["arms"]) == ["none", "tier", "simple_lazy"]
+    assert plan["estimate_s"] < plan["max_wall_s"] < 600
+    bad = _ab_dry_run(tmp_path, "--arms", "tier,lmcache")
+    assert bad.returncode != 0 and "unknown" in bad.stderr
+
+
+def test_ab_offload_refuses_without_a_gpu(ab, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ab, "gpu_info", lambda: None)
+    assert ab.main(["--out", str(tmp_path)]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().out
+    assert not list(tmp_path.glob("ab_offload_*.json"))
+
+
+def test_ab_offload_arms_as_vllm_reads_them(ab):
+    """vLLM 0.32 parses the vLLM arms' flags, and its connector sources read
+    the keys the plan sets (read as text: nothing of CUDA imported)."""
+    import importlib.util
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = ab.parse_args(["--arms", "none,simple_lazy,offloading"])
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    model = ab.model_path(args)
+    for arm, check in (
+        ("simple_lazy", lambda e: e.kv_transfer_config.kv_connector_extra_config),
+        ("offloading", lambda e: (e.kv_offloading_size, e.kv_offloading_backend)),
+    ):
+        engine = EngineArgs.from_cli_args(
+            parser.parse_args(ab.server_cmd(arm, model, args))
+        )
+        assert engine.kv_cache_memory_bytes == 16 << 20
+        assert engine.max_num_batched_tokens == 512
+        got = check(engine)
+        if arm == "simple_lazy":
+            assert engine.kv_transfer_config.kv_connector == (
+                "SimpleCPUOffloadConnector"
+            )
+            assert got == {"cpu_bytes_to_use": 256 << 20, "lazy_offload": True}
+        else:
+            assert got == (0.25, "native")
+    root = Path(importlib.util.find_spec("vllm").origin).parent
+    simple = (
+        root / "distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py"
+    ).read_text()
+    assert 'extra_config.get("lazy_offload"' in simple
+    assert 'extra_config.get("cpu_bytes_to_use"' in simple
+    post = (root / "config/vllm.py").read_text()
+    assert 'config_connector = "OffloadingConnector"' in post
+    assert '{"cpu_bytes_to_use": kv_offloading_size * (1 << 30)}' in post
+
+
+def _ab_record(arm, rep, conc, texts, req_s, hits, queries, level="high"):
+    """One throughput run as ab_offload records it (figures made up)."""
+    summary = dict.fromkeys(
+        ("itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "out_tok_per_s"),
+        1.0,
+    )
+    summary["req_per_s"] = req_s
+    delta = {
+        "vllm:external_prefix_cache_hits_total": hits,
+        "vllm:external_prefix_cache_queries_total": queries,
+        "vllm:prompt_tokens_total": 1000.0,
+    }
+    return {
+        "arm": arm, "level": level, "concurrency": conc, "repeat": rep,
+        "summary": summary, "texts": texts, "delta": delta,
+    }  # fmt: skip
+
+
+def test_ab_offload_figures(ab):
+    runs = []
+    for rep in (0, 1):
+        for arm, req_s, hits, text in (
+            ("none", 2.0, 0.0, ["a", "b"]),
+            ("tier", 3.0, 500.0, ["a", "b"]),
+            ("simple_lazy", 2.5, 250.0, ["a", "x"]),
+        ):
+            r = _ab_record(arm, rep, 4, text, req_s, hits, 1000.0)
+            r["hits"] = ab.hit_rate(r.pop("delta"))
+            runs.append(r)
+    runs.append({"arm": "tier", "level": "high", "concurrency": 8, "repeat": 0,
+                 "summary": None, "error": "RuntimeError: x"})  # fmt: skip
+    out = ab.summarize_runs(runs, ["none", "tier", "simple_lazy"])
+    cell = out["high@c4"]
+    assert set(out) == {"high@c4"}  # the failed run counts nowhere
+    assert cell["tier"]["req_per_s_over_none"]["median"] == 1.5
+    assert cell["simple_lazy"]["req_per_s_over_none"]["median"] == 1.25
+    assert cell["tier"]["host_hit_rate"]["median"] == 0.5
+    assert cell["tier"]["host_hits_over_prompt_tokens"]["median"] == 0.5
+    assert cell["tier"]["greedy_vs_none"]["matching"] == 4
+    assert cell["simple_lazy"]["greedy_vs_none"] == {
+        "matching": 2, "compared": 4, "first_diverging_token_min": None,
+    }  # fmt: skip
+    assert cell["none_vs_none_repeat0"] == {"matching": 2, "compared": 2}
+    probes = [
+        {"arm": "none", "probe": 0, "cold_ttft_ms": 10.0, "repeat_ttft_ms": 10.0,
+         "repeat_text": "t", "repeat": {"external_hit_tokens": None}},
+        {"arm": "tier", "probe": 0, "cold_ttft_ms": 11.0, "repeat_ttft_ms": 4.0,
+         "repeat_text": "t", "repeat": {"external_hit_tokens": 384.0}},
+        {"arm": "simple_lazy", "probe": 0, "error": "boom"},
+    ]  # fmt: skip
+    got = ab.summarize_probes(probes, ["none", "tier", "simple_lazy"])
+    assert got["tier"]["repeat_ttft_over_none"]["median"] == 0.4
+    assert got["tier"]["repeat_host_hit_tokens"] == [384.0]
+    assert got["tier"]["repeat_text_equal_to_none"] == "1/1"
+    assert got["simple_lazy"]["probes"] == 0
+    assert ab.hit_rate({})["host_hit_rate"] is None
+    assert ab.device_suffix("NVIDIA H100 80GB HBM3") == "h100"
+    assert ab.device_suffix("NVIDIA H200") == "h200"
+    facts = ab.log_facts(
+        "INFO x GPU KV cache size: 2,048 tokens, Maximum\n"
+        "INFO SimpleCPUOffloadScheduler: Allocating 1024 offload blocks (0.25 GB\n"
+        "INFO Using TRITON_ATTN attention backend out of potential backends: [x].\n"
+    )
+    assert facts["device_kv_tokens"] == ["2,048"]
+    assert facts["simple_host_blocks"] == ["1024"]
+    assert facts["attention_backend"] == ["TRITON_ATTN"]
+    assert facts["tier_host_blocks"] is None
+
+
+def test_stage2_dry_run_plans_the_ab(tmp_path):
+    proc = _run_stage2_g(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "stage2_plan.json").read_text())
+    assert (
+        set(plan["items"]) == {"g"}
+        and "SimpleCPUOffloadConnector" in (plan["items"]["g"])
+    )
+    g = plan["g_plan"]
+    assert list(g["arms"]) == ["none", "tier", "simple_lazy", "offloading"]
+    assert g["argv"] == ["--arms", "none,tier,simple_lazy,offloading"]
+    assert "serving-model" in g["equal_in_every_arm"]["model"]
+
+
+def _run_stage2_g(tmp_path: Path) -> subprocess.CompletedProcess:
+    return _run(
+        "stage2.sh", tmp_path, "--dry-run", "--items", "g",
+        "--ab-args", "--arms none,tier,simple_lazy,offloading",
+    )  # fmt: skip
+
+
+class _FakeServer:
+    """Stands in for a vLLM server: counters grow with every request."""
+
+    def __init__(self, config, cmd_args, env, log):
+        self.config, self.args, self.env, self.port = config, cmd_args, env, 1
+        self.hits = 0.0
+
+    def start(self):
+        return 1.0
+
+    def stop(self):
+        pass
+
+    def log_text(self):
+        return "GPU KV cache size: 2,048 tokens, x"
+
+    def log_tail(self):
+        return ""
+
+    def reset_prefix_cache(self):
+        pass
+
+    def settled_metrics(self):
+        self.hits += 0 if self.config == "none" else 384.0
+        return {
+            "vllm:external_prefix_cache_hits_total": self.hits,
+            "vllm:external_prefix_cache_queries_total": 2 * self.hits + 1,
+            "vllm:prompt_tokens_total": 4 * self.hits + 1,
+        }
+
+
+def test_ab_offload_main_with_stand_ins(ab, tmp_path, monkeypatch):
+    """The whole sequence (starts, probes, runs, the JSON) with stand-ins for
+    the servers and the client: names and the file, not figures."""
+
+    def client(argv, log, timeout):
+        n = int(argv[argv.index("--num-prompts") + 1])
+        return {
+            "ttfts": [0.01] * n,
+            "generated_texts": ["same"] * n,
+            "input_lens": [416] * n,
+            "completed": n,
+            "failed": 0,
+            "errors": [],
+            "request_throughput": 2.0,
+            "output_throughput": 100.0,
+            "median_itl_ms": 5.0,
+            "p99_itl_ms": 9.0,
+            "median_ttft_ms": 10.0,
+            "p99_ttft_ms": 20.0,
+            "median_tpot_ms": 5.0,
+            "duration": 3.0,
+        }
+
+    monkeypatch.setattr(ab, "ABServer", _FakeServer)
+    monkeypatch.setattr(ab.sb, "warm_up", lambda *a: None)
+    monkeypatch.setattr(ab.sb, "run_client", client)
+    monkeypatch.setattr(ab.sb, "ensure_model", lambda cache: cache)
+    args = ab.parse_args(
+        ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+         "--model-cache", str(tmp_path / "model"), "--probes", "1"]
+    )  # fmt: skip
+    args.out.mkdir()
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "driver": "x"}
+    assert ab.AB(args, gpu, ["--probes", "1"]).main() == 0
+    (path,) = (tmp_path / "out").iterdir()
+    assert path.name == "ab_offload_h100.json"
+    report = json.loads(path.read_text())
+    assert report["platform"] == "GPU" and "H100" in report["label"]
+    assert len(report["probes"]) == 3 and len(report["runs"]) == 3 * 2 * 2
+    assert all("texts" not in r and r["summary"] for r in report["runs"])
+    assert report["servers"]["tier"]["cmd"][-2:] == [
+        "--kv-host-cache-bytes",
+        str(256 << 20),
+    ]
+    probes = report["summary"]["ttft_probes"]
+    assert probes["tier"]["repeat_host_hit_tokens"] == [384.0]
+    c8 = report["summary"]["throughput"]["high@c8"]
+    assert c8["simple_lazy"]["greedy_vs_none"]["matching"] == 2 * 96
+    assert c8["tier"]["host_hit_rate"]["median"] == pytest.approx(0.5)
+    # Past --max-wall-s, the steps are recorded as skipped, not run.
+    args.max_wall_s = 0
+    assert ab.AB(args, gpu, []).main() == 3
+    report = json.loads(path.read_text())
+    assert not report["servers"] and len(report["skipped"]) == 3

@@ -30,6 +30,13 @@ f. Ray (issue 19): the same engine, TP=1 PP=1, on the multiprocessing
    Ray, which the GPU machine lacks: its wheel is carried separately
    (``scripts/gpu/README.md``) into ``.gpu-site-ray``; without it the item
    records that Ray is missing and starts nothing.
+g. issue 30's A/B: our host tier against vLLM's ``SimpleCPUOffloadConnector``
+   with ``lazy_offload`` (and ``OffloadingConnector``, ``--kv-offloading-size``,
+   when ``--ab-args`` adds the arm), ``benchmarks/serving_bench.py``'s
+   prefix-reuse workload through vLLM's OpenAI server, same device KV and
+   host bytes, in one call: ``scripts/gpu/ab_offload.py`` in a child process.
+   Its figures go to ``$OUT/ab_offload_h100.json`` (named after the GPU),
+   not to ``stage2_results.json``, which records only how the child ended.
 
 Each item's results are written to ``$OUT/stage2_results.json`` as soon as
 it ends (a call cut off at its limit keeps what finished); each engine's
@@ -42,6 +49,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -53,7 +61,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 REPORT = "KVMEM_STAGE2 "
-ITEMS = "abcdef"
+ITEMS = "abcdefg"
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
 
 
@@ -142,13 +150,22 @@ def child(spec: dict) -> dict:
 class Runner:
     """Runs engines in subprocesses, keeps their logs, records results."""
 
-    def __init__(self, work: Path, model: Path, timeout: float) -> None:
+    def __init__(
+        self,
+        work: Path,
+        model: Path,
+        timeout: float,
+        out: Path | None = None,
+        ab_args: str = "",
+    ) -> None:
         # Kept under the repository's ignored .gpu-work/, not in $OUT: $OUT is
         # emptied before every call and brings back 8 files at most, while
         # the items of stage 2 may take more than one call.
         self.work = work
         self.model = model
         self.timeout = timeout
+        self.out = out or work
+        self.ab_args = ab_args
         self.logs = work / "stage2_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results_path = work / "stage2_results.json"
@@ -540,6 +557,57 @@ def item_f(r: Runner) -> dict:
     }
 
 
+AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
+
+
+def _ab_module() -> Any:
+    """scripts/gpu/ab_offload.py as a module (it imports no vLLM or torch)."""
+    sys.path.insert(0, str(AB_SCRIPT.parent))
+    import ab_offload
+
+    return ab_offload
+
+
+def item_g(r: Runner) -> dict:
+    """Issue 30: host tier against SimpleCPUOffloadConnector (lazy_offload)
+    and, when asked, OffloadingConnector; serving_bench's prefix-reuse
+    workload on vLLM's OpenAI server (scripts/gpu/ab_offload.py)."""
+    argv = shlex.split(r.ab_args)
+    max_wall = _ab_module().parse_args(argv).max_wall_s
+    work = r.logs / "g_ab_offload"  # server and client logs: into the tarball
+    cmd = [
+        sys.executable, str(AB_SCRIPT), "--out", str(r.out), "--work", str(work),
+        "--model-cache", str(r.work / "serving-model"),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [*cmd, *argv],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            capture_output=True,
+            text=True,
+            timeout=max_wall + 120,  # its own cap, then stopping its servers
+        )
+        code, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        code = "timeout"
+        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+    (r.logs / "g_ab_offload.log").write_text(text)
+    print(f"  ab_offload: exit {code} in {time.perf_counter() - t0:.0f} s")
+    files = sorted(p.name for p in r.out.glob("ab_offload_*.json"))
+    return {
+        "exit": code,
+        "argv": argv,
+        "results_files": files,  # the figures: GPU-labelled, _h100 on an H100
+        "last_lines": text.splitlines()[-3:],
+        "errors": [ln for ln in text.splitlines() if re.search(r"Error|error:", ln)][
+            -8:
+        ],
+    }
+
+
 ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "a": item_a,
     "b": item_b,
@@ -547,6 +615,7 @@ ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "d": item_d,
     "e": item_e,
     "f": item_f,
+    "g": item_g,
 }
 
 
@@ -565,7 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument(
-        "--items", default=ITEMS[:5], help="which of a-f (default a-e; f needs Ray)"
+        "--items",
+        default=ITEMS[:5],
+        help="which of a-g (default a-e; f needs Ray; g is issue 30's A/B)",
     )
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "out/stage2"))
@@ -577,6 +648,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="model, logs and results across calls (ignored by git)",
     )
     p.add_argument("--engine-timeout", type=float, default=240.0)
+    p.add_argument(
+        "--ab-args",
+        default="",
+        help="item g: arguments for ab_offload.py, e.g. "
+        "'--arms none,tier,simple_lazy,offloading'",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = p.parse_args(argv)
     if args.child:
@@ -596,11 +673,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "work": str(args.work),
             "engine_timeout_s": args.engine_timeout,
         }
+        if "g" in args.items:
+            ab = _ab_module()
+            ab_args = ab.parse_args(shlex.split(args.ab_args))
+            ab_args.model_cache = args.work / "serving-model"
+            plan["g_plan"] = ab.build_plan(ab_args, ab.model_path(ab_args))
+            plan["g_plan"]["argv"] = shlex.split(args.ab_args)
         (args.out / "stage2_plan.json").write_text(json.dumps(plan, indent=1) + "\n")
         print("stage 2 dry run: items", args.items, "->", args.out / "stage2_plan.json")
         return 0
     model = make_model(args.work)
-    runner = Runner(args.work, model, args.engine_timeout)
+    runner = Runner(args.work, model, args.engine_timeout, args.out, args.ab_args)
     for item in args.items:
         print(f"=== item {item}", flush=True)
         t0 = time.perf_counter()

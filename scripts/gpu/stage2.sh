@@ -5,17 +5,20 @@
 # Runs after every piece has arrived (scripts/gpu/README.md): installs the
 # wheels into .gpu-site (once; kept while the machine stays warm), makes the
 # plugin's entry point visible to vLLM, checks requirements, probes the
-# import, then runs items a-e of the issue (scripts/gpu/stage2.py). Files in
-# $OUT (8 at most):
+# import, then runs items a-e of the issue (scripts/gpu/stage2.py), f (Ray,
+# issue 19) and g (issue 30's A/B, scripts/gpu/ab_offload.py) when asked.
+# Files in $OUT (8 at most):
 #
 #   stage2.log            all output
 #   install_check.json    install_pieces.py check: unmet requirements
 #   stage2_probe.txt      versions, CUDA libraries actually loaded
-#   stage2_results.json   items a-e (accumulates over calls, see --items)
-#   stage2_logs.tar.gz    each engine's output
+#   stage2_results.json   items a-f, how g ended (accumulates over calls)
+#   stage2_logs.tar.gz    each engine's output, g's server and client logs
+#   ab_offload_h100.json  item g's figures, GPU-labelled (named after the GPU)
 #
 # Usage (repository root):
 #   bash scripts/gpu/stage2.sh [--vllm 0.32.0|0.33.0] [--plan core|torch211] [--items abcde]
+#   bash scripts/gpu/stage2.sh --items g [--ab-args '--arms none,tier,simple_lazy,offloading']
 #   bash scripts/gpu/stage2.sh --dry-run     # anywhere: plan and checks only
 #
 # --vllm picks the release: its pieces come from .gpu-wheels (0.32.0) or
@@ -24,13 +27,14 @@
 set -u
 cd "$(dirname "$0")/../.."
 
-DRY=0 PLAN=core ITEMS=abcde PARTIAL= VLLM=0.32.0
+DRY=0 PLAN=core ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS=
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY=1 ;;
         --vllm) VLLM=$2; shift ;;
         --plan) PLAN=$2; shift ;;
         --items) ITEMS=$2; shift ;;
+        --ab-args) AB_ARGS=$2; shift ;;
         *) echo "unknown argument $1"; exit 2 ;;
     esac
     shift
@@ -51,10 +55,10 @@ echo "stage 2 $( [ "$DRY" = 1 ] && echo DRY RUN ) vLLM $VLLM plan $PLAN items $I
 
 if [ "$DRY" = 1 ]; then
     "$PY" scripts/gpu/install_pieces.py --help >/dev/null && echo "install_pieces.py: ok"
-    "$PY" scripts/gpu/stage2.py --dry-run --items "$ITEMS" --out "$OUT" || exit 1
+    "$PY" scripts/gpu/stage2.py --dry-run --items "$ITEMS" --ab-args "$AB_ARGS" --out "$OUT" || exit 1
     echo "would run: install_pieces.py install --root $PIECES --target $SITE $PARTIAL"
     echo "would run: install_pieces.py check --target $SITE"
-    echo "would run: stage2.py --items $ITEMS --out \$OUT (PYTHONPATH=$SITE:$PWD)"
+    echo "would run: stage2.py --items $ITEMS --ab-args \"$AB_ARGS\" --out \$OUT (PYTHONPATH=$SITE:$PWD)"
     exit 0
 fi
 
@@ -105,7 +109,7 @@ cat "$OUT/stage2_probe.txt"
 grep -q "^vllm $VLLM " "$OUT/stage2_probe.txt" \
     || { echo "stage 2 asked for vLLM $VLLM; the probe above found another"; exit 1; }
 
-"$PY" scripts/gpu/stage2.py --items "$ITEMS" --out "$OUT"
+"$PY" scripts/gpu/stage2.py --items "$ITEMS" --ab-args "$AB_ARGS" --out "$OUT"
 RC=$?
 ls -la "$OUT"
 exit $RC

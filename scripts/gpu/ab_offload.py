@@ -1,0 +1,774 @@
+"""Issue 30 on the GPU machine: our host KV tier against vLLM's CPU offloading.
+
+UNVERIFIED: written without a GPU; no line of it has run on one, and vLLM's
+two offloading connectors run on CUDA only. Stage 2's item g runs it
+(``bash scripts/gpu/stage2.sh --items g``: vLLM 0.32 installed, vLLM and the
+plugin on ``PYTHONPATH``); ``--dry-run`` prints and writes the plan anywhere,
+importing neither torch nor vLLM and starting nothing.
+
+Arms, one vLLM OpenAI server each, all started in the same call:
+``benchmarks/serving_bench.py``'s server (its 8-layer float32 random-weight
+Llama, 8 KiB of KV a token, ``--kv-cache-memory-bytes`` 16 MiB: 2,048 tokens
+in 64 blocks of 32, ``--enforce-eager``, ``--max-model-len 1024``), the same
+device KV bytes, the same host bytes (256 MiB: 1,024 blocks of 256 KiB in
+every arm) and the same ``--max-num-batched-tokens``:
+
+* ``none``: the plugin loaded, no kvmem flag: the tier off, evicted prefixes
+  are recomputed. The reference for greedy identity and for a recompute's TTFT.
+* ``tier``: ``--kv-host-cache-bytes HOST``, vllm-kvmem's host tier (blocks
+  near eviction copied behind, loaded back on a hit).
+* ``simple_lazy``: ``SimpleCPUOffloadConnector`` in ``lazy_offload`` mode,
+  ``--kv-transfer-config`` with ``kv_connector_extra_config``
+  ``{"cpu_bytes_to_use": HOST, "lazy_offload": true}`` (the keys vLLM 0.32
+  and 0.33 read in ``simple_cpu_offload_connector.py``): cached blocks are
+  offloaded as they near eviction, the same idea as the tier's write-behind.
+  Its lazy target is ``2 * ceil(max_num_batched_tokens / block_size)`` device
+  blocks (``SimpleCPUOffloadScheduler._estimate_lazy_target_blocks``): 32 of
+  the 64 with the default 512 batched tokens. Plain vLLM (``VLLM_PLUGINS=``).
+* ``offloading`` (the issue's third arm "if device time allows": add it with
+  ``--arms``): ``--kv-offloading-size HOST/GiB``, which vLLM 0.32 turns into
+  ``OffloadingConnector`` with ``cpu_bytes_to_use`` (its ``native`` backend,
+  ``VLLM_USE_SIMPLE_KV_OFFLOAD`` unset): every block stored as it is
+  computed. Plain vLLM.
+
+Workload: ``serving_bench.py``'s prefix reuse, through its client (vLLM's
+``vllm bench serve``, ``prefix_repetition``) and its server handling (reset
+of the device prefix cache and the connector's host blocks before every run,
+an untimed warm-up per server, ``/metrics`` deltas):
+
+1. TTFT probes, ``--probes`` per arm (interleaved across arms): reset, one
+   416-token prompt (cold), ``--evict-prompts`` other prompts (more than the
+   device holds, so the first is evicted from the device), the first prompt
+   again. Its TTFT is a host hit in the tier arms (the connector's hit
+   tokens over that request are recorded to show it) and a recompute in
+   ``none``: "TTFT on a host hit against recompute", paired by probe.
+2. Throughput: ``--levels`` (default ``high``: 16 prefixes of 384 tokens,
+   each used by 6 of 96 prompts, 32-token suffixes, 64 tokens out) at each of
+   ``--concurrencies`` (default 4: the device holds about 4 requests; 8:
+   oversubscribed, requests queue and are preempted), ``--repeats`` times,
+   arms interleaved per repeat.
+
+Figures: greedy identity of every arm against ``none`` (texts per prompt,
+same prompts in the same order; ``none`` against its own repeat 0 as the
+floor of what batching allows), host hit rate (vLLM's own
+``external_prefix_cache_hits / external_prefix_cache_queries``, which every
+connector feeds, and hits over prompt tokens), TTFT of a host hit against
+recompute, request and output-token throughput with TTFT and ITL
+percentiles, each arm over ``none`` paired per repeat.
+
+Everything is written to ``$OUT/ab_offload_<gpu>.json`` (``_h100`` on an
+H100, named from ``nvidia-smi``), labelled GPU with the device, rewritten
+after every step, so a call cut off at its limit keeps what finished; steps
+that would start after ``--max-wall-s`` are skipped and recorded as such.
+Exit 0 when every step ran, 1 when a step failed or an arm did not start, 3
+when steps were skipped.
+Server and client logs go to ``--work`` (stage 2 packs them into
+``stage2_logs.tar.gz``). Without an NVIDIA GPU it refuses to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import serving_bench as sb  # noqa: E402  (no vLLM or torch at import)
+
+ARMS = ("none", "tier", "simple_lazy", "offloading")
+DEFAULT_ARMS = ("none", "tier", "simple_lazy")
+GIB = 1 << 30
+MIB = 1 << 20
+#: serving_bench's model: 8 layers x (K, V) x 2 KV heads x 64 x float32.
+KV_BYTES_PER_TOKEN = 8 * 2 * 2 * 64 * 4
+#: Counters read from each server's /metrics (deltas per run).
+METRICS = sb.METRICS + (
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:simple_kv_offload_load_blocks_total",
+    "vllm:simple_kv_offload_save_outcomes_total",
+    "vllm:kv_offload_load_bytes_total",
+    "vllm:kv_offload_store_bytes_total",
+)
+#: What each server's log says about its KV caches (None when absent).
+LOG_FACTS = {
+    "device_kv_tokens": re.compile(r"\w+ KV cache size: ([\d,]+) tokens"),
+    "tier_host_blocks": re.compile(r"Host KV tier: (\d+) blocks of"),
+    "simple_host_blocks": re.compile(
+        r"SimpleCPUOffloadScheduler: Allocating (\d+) offload blocks"
+    ),
+    "simple_mode": re.compile(r"SimpleCPUOffloadConnector: role=\w+, .*mode=(\w+)"),
+    "attention_backend": re.compile(r"Using (\w+) (?:attention )?backend[ .]"),
+}
+#: Assumed costs for the plan's estimate (replace with what a run shows).
+ASSUMED_S = {"server_start_and_warm_up": 45, "client_call": 3, "throughput_run": 12}
+
+
+# -- the plan (no vLLM, no torch) --------------------------------------------------
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """Where ``serving_bench.ensure_model`` builds the model under the cache."""
+    return args.model_cache / "L8-H256-KV2-D64-float32"
+
+
+def arm_config(arm: str, host_bytes: int) -> dict[str, Any]:
+    """An arm's extra server flags and environment, and what it is."""
+    plain = {"VLLM_PLUGINS": ""}  # vLLM loads no plugin: nothing of ours runs
+    if arm == "none":
+        return {"flags": [], "env": {}, "unset_env": [], "what": "tier off"}
+    if arm == "tier":
+        return {
+            "flags": ["--kv-host-cache-bytes", str(host_bytes)],
+            "env": {},
+            "unset_env": [],
+            "what": "vllm-kvmem host tier",
+        }
+    if arm == "simple_lazy":
+        config = {
+            "kv_connector": "SimpleCPUOffloadConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "cpu_bytes_to_use": host_bytes,
+                "lazy_offload": True,
+            },
+        }
+        return {
+            "flags": ["--kv-transfer-config", json.dumps(config)],
+            "env": plain,
+            "unset_env": [],
+            "what": "vLLM SimpleCPUOffloadConnector, lazy_offload",
+        }
+    if arm == "offloading":
+        return {
+            "flags": ["--kv-offloading-size", repr(host_bytes / GIB)],
+            "env": plain,
+            "unset_env": ["VLLM_USE_SIMPLE_KV_OFFLOAD"],
+            "what": "vLLM OffloadingConnector (--kv-offloading-size, native)",
+        }
+    raise ValueError(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+
+
+def server_cmd(arm: str, model: Path, args: argparse.Namespace) -> list[str]:
+    """serving_bench's server flags (its ``none`` config), the A/B's common
+    flags, then the arm's own."""
+    base = sb.server_args("none", model, args)
+    return [
+        *base,
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+        *arm_config(arm, args.host_bytes)["flags"],
+    ]  # fmt: skip
+
+
+def evict_prompts(args: argparse.Namespace) -> int:
+    """Prompts that overflow the device KV cache twice over."""
+    if args.evict_prompts:
+        return args.evict_prompts
+    device_tokens = args.kv_cache_bytes_int // KV_BYTES_PER_TOKEN
+    prompt = args.prefix_len + args.suffix_len
+    return max(2, 2 * -(-device_tokens // prompt))
+
+
+def estimate_s(args: argparse.Namespace) -> int:
+    n = len(args.arm_list)
+    runs = n * len(args.level_list) * len(args.concurrency_list) * args.repeats
+    return (
+        n * ASSUMED_S["server_start_and_warm_up"]
+        + n * args.probes * 3 * ASSUMED_S["client_call"]
+        + runs * ASSUMED_S["throughput_run"]
+    )
+
+
+def build_plan(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    block_bytes = KV_BYTES_PER_TOKEN * args.block_size
+    arms = {}
+    for arm in args.arm_list:
+        cfg = arm_config(arm, args.host_bytes)
+        arms[arm] = {
+            "what": cfg["what"],
+            "server": ["python", "-m", "vllm.entrypoints.openai.api_server"]
+            + server_cmd(arm, model, args),
+            "env": cfg["env"],
+            "unset_env": cfg["unset_env"],
+        }
+    return {
+        "issue": 30,
+        "script": "scripts/gpu/ab_offload.py",
+        "status": "UNVERIFIED: prepared on CPU, never run on a GPU",
+        "arms": arms,
+        "equal_in_every_arm": {
+            "model": f"{model} (serving_bench: 8 layers, hidden 256, 2 KV heads of "
+            "64, float32, random weights)",
+            "device_kv_bytes": args.kv_cache_bytes_int,
+            "device_kv_blocks": args.kv_cache_bytes_int // block_bytes,
+            "host_bytes": args.host_bytes,
+            "host_blocks": args.host_bytes // block_bytes,
+            "block_size_tokens": args.block_size,
+            "block_bytes": block_bytes,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "simple_lazy_target_blocks": 2
+            * -(-args.max_num_batched_tokens // args.block_size),
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+        },
+        "workload": {
+            "client": "vllm.benchmarks.serve (vllm bench serve), prefix_repetition, "
+            "through benchmarks/serving_bench.py",
+            "prefix_len": args.prefix_len,
+            "suffix_len": args.suffix_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "levels": {
+                lv.name: {
+                    "num_prefixes": lv.num_prefixes(args.num_prompts),
+                    "reuse": lv.reuse(args.num_prompts),
+                }
+                for lv in args.level_list
+            },
+            "concurrencies": args.concurrency_list,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "probes": {
+                "count": args.probes,
+                "evict_prompts": evict_prompts(args),
+                "output_len": args.probe_output_len,
+                "steps": "reset; prompt P (cold); evict_prompts other prompts; "
+                "P again (host hit in a tier arm, recompute in none)",
+            },
+        },
+        "figures": [
+            "greedy identity against none (texts per prompt), none against its "
+            "repeat 0",
+            "host hit rate: external_prefix_cache_hits / _queries, and over prompt "
+            "tokens",
+            "TTFT of the probe's repeat: host hit (tier arms) against recompute "
+            "(none), paired by probe",
+            "request and output-token throughput, TTFT and ITL p50/p99 per "
+            "concurrency, arm/none paired per repeat",
+        ],
+        "output": "$OUT/ab_offload_<gpu>.json (ab_offload_h100.json on an H100), "
+        "labelled GPU; logs in --work",
+        "unverified_assumptions": [
+            "SimpleCPUOffloadConnector's copies call cuMemcpyBatchAsync through "
+            "cuda.bindings (the machine lists cuda-bindings, version unknown; "
+            "the driver, 580, is new enough)",
+            "OffloadingConnector's host buffer is a shared mmap region "
+            "(SharedOffloadRegion; /dev/shm's size on the machine is unknown)",
+            "float32 on a GPU picks an attention backend other than FLASH_ATTN "
+            "(recorded per server as attention_backend)",
+            "four servers side by side on one GPU at --gpu-memory-utilization "
+            f"{args.gpu_memory_utilization} each",
+        ],
+        "max_wall_s": args.max_wall_s,
+        "estimate_s": estimate_s(args),
+        "estimate_assumes_s": ASSUMED_S,
+        "steps": len(args.arm_list) * (1 + args.probes)
+        + len(args.arm_list)
+        * len(args.level_list)
+        * len(args.concurrency_list)
+        * args.repeats,
+    }
+
+
+# -- figures from the runs (pure, unit-tested) -------------------------------------
+
+
+def hit_rate(delta: dict[str, float]) -> dict[str, Any]:
+    """Host (connector) hits of one run from its /metrics delta."""
+    queries = delta.get("vllm:external_prefix_cache_queries_total")
+    hits = delta.get("vllm:external_prefix_cache_hits_total")
+    prompt = delta.get("vllm:prompt_tokens_total")
+    return {
+        "external_hit_tokens": hits,
+        "external_query_tokens": queries,
+        "host_hit_rate": hits / queries if hits is not None and queries else None,
+        "host_hits_over_prompt_tokens": hits / prompt
+        if hits is not None and prompt
+        else None,
+        "device_prefix_hit_tokens": delta.get("vllm:prefix_cache_hits_total"),
+        "kvmem_host_hit_tokens": delta.get("vllm:kvmem_host_hit_tokens_total"),
+        "preemptions": delta.get("vllm:num_preemptions_total"),
+    }
+
+
+def _median(values: list[Any]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize_probes(probes: list[dict[str, Any]], arms: list[str]) -> dict:
+    """Per arm: medians of cold and repeat TTFT, the repeat's host hit tokens,
+    and the repeat's TTFT over ``none``'s (a recompute), paired by probe."""
+    by = {(p["arm"], p["probe"]): p for p in probes if p.get("error") is None}
+    out: dict[str, Any] = {}
+    for arm in arms:
+        mine = [by[k] for k in sorted(by) if k[0] == arm]
+        ratios = []
+        for p in mine:
+            ref = by.get(("none", p["probe"]))
+            if ref and p.get("repeat_ttft_ms") and ref.get("repeat_ttft_ms"):
+                ratios.append(p["repeat_ttft_ms"] / ref["repeat_ttft_ms"])
+        same = [
+            p.get("repeat_text") == by[("none", p["probe"])].get("repeat_text")
+            for p in mine
+            if ("none", p["probe"]) in by
+        ]
+        out[arm] = {
+            "probes": len(mine),
+            "cold_ttft_ms": _median([p.get("cold_ttft_ms") for p in mine]),
+            "repeat_ttft_ms": _median([p.get("repeat_ttft_ms") for p in mine]),
+            "repeat_host_hit_tokens": [
+                p.get("repeat", {}).get("external_hit_tokens") for p in mine
+            ],
+            "repeat_device_hit_tokens": [
+                p.get("repeat", {}).get("device_prefix_hit_tokens") for p in mine
+            ],
+            "repeat_ttft_over_none": sb.spread(ratios),
+            "repeat_text_equal_to_none": f"{sum(same)}/{len(same)}",
+        }
+    return out
+
+
+def summarize_runs(
+    runs: list[dict[str, Any]], arms: list[str], tokenize: Any = None
+) -> dict[str, Any]:
+    """Per level and concurrency, per arm: medians over repeats, arm/none
+    ratios paired per repeat, greedy identity against none."""
+    ok = [r for r in runs if r.get("summary") is not None]
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys((r["level"], r["concurrency"]) for r in ok):
+        mine = [r for r in ok if (r["level"], r["concurrency"]) == key]
+        by = {(r["arm"], r["repeat"]): r for r in mine}
+        cell: dict[str, Any] = {}
+        for arm in arms:
+            reps = sorted(k[1] for k in by if k[0] == arm)
+            if not reps:
+                continue
+            s: dict[str, Any] = {"repeats": len(reps)}
+            for f in sb.FIGURES:
+                s[f] = sb.spread([by[(arm, k)]["summary"][f] for k in reps])
+                ratios = [
+                    by[(arm, k)]["summary"][f] / by[("none", k)]["summary"][f]
+                    for k in reps
+                    if ("none", k) in by
+                    and by[("none", k)]["summary"][f]
+                    and by[(arm, k)]["summary"][f] is not None
+                ]
+                s[f + "_over_none"] = sb.spread(ratios)
+            s["host_hit_rate"] = sb.spread(
+                [by[(arm, k)]["hits"]["host_hit_rate"] for k in reps]
+            )
+            s["host_hits_over_prompt_tokens"] = sb.spread(
+                [by[(arm, k)]["hits"]["host_hits_over_prompt_tokens"] for k in reps]
+            )
+            ident = [
+                sb.compare_texts(
+                    by[("none", k)].get("texts") or [],
+                    by[(arm, k)].get("texts") or [],
+                    tokenize,
+                )
+                for k in reps
+                if ("none", k) in by
+            ]
+            s["greedy_vs_none"] = {
+                "matching": sum(c["matching"] for c in ident),
+                "compared": sum(c["compared"] for c in ident),
+                "first_diverging_token_min": min(
+                    (
+                        m["token"]
+                        for c in ident
+                        for m in c["mismatches"]
+                        if m["token"] is not None
+                    ),
+                    default=None,
+                ),
+            }
+            cell[arm] = s
+        floor = [
+            sb.compare_texts(
+                by[("none", 0)].get("texts") or [], by[("none", k)].get("texts") or []
+            )
+            for k in sorted(k for a, k in by if a == "none" and k > 0)
+            if ("none", 0) in by
+        ]
+        cell["none_vs_none_repeat0"] = {
+            "matching": sum(c["matching"] for c in floor),
+            "compared": sum(c["compared"] for c in floor),
+        }
+        out[f"{key[0]}@c{key[1]}"] = cell
+    return out
+
+
+def device_suffix(gpu_name: str) -> str:
+    """``h100`` for any H100, ``h200`` for an H200, else a slug of the name."""
+    for model in ("H100", "H200", "A100", "B200", "L40S"):
+        if model.lower() in gpu_name.lower():
+            return model.lower()
+    slug = re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
+    return slug or "gpu"
+
+
+def log_facts(text: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    for key, pattern in LOG_FACTS.items():
+        found = pattern.findall(text)
+        facts[key] = sorted(set(found)) if found else None
+    return facts
+
+
+# -- the run (GPU) ----------------------------------------------------------------
+
+
+def gpu_info() -> dict[str, str] | None:
+    """The GPU from nvidia-smi (no CUDA context in this process); None if none."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    proc = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=name,memory.total,driver_version",
+            "--format=csv,noheader",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    line = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
+    if proc.returncode != 0 or not line:
+        return None
+    name, memory, driver = (x.strip() for x in (line.split(",") + ["", ""])[:3])
+    return {"name": name, "memory": memory, "driver": driver}
+
+
+class ABServer(sb.Server):
+    """serving_bench's server, reading the A/B's counters too."""
+
+    def metrics(self) -> dict[str, float]:
+        return sb.parse_metrics(sb.http(f"{self.url}/metrics", timeout=30)[1], METRICS)
+
+
+def _variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
+    ns = argparse.Namespace(**vars(args))
+    for k, v in changes.items():
+        setattr(ns, k, v)
+    return ns
+
+
+class AB:
+    def __init__(
+        self, args: argparse.Namespace, gpu: dict[str, str], argv: list[str]
+    ) -> None:
+        self.args = args
+        self.work: Path = args.work
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.out_path = args.out / f"ab_offload_{device_suffix(gpu['name'])}.json"
+        self.model = sb.ensure_model(args.model_cache)
+        self.report: dict[str, Any] = {
+            "benchmark": "ab_offload (issue 30)",
+            "platform": "GPU",
+            "label": f"GPU: {gpu['name']}, measured "
+            + time.strftime("%Y-%m-%d", time.gmtime()),
+            "device": gpu,
+            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "scripts/gpu/ab_offload.py", *argv]),
+            "versions": sb.versions(),
+            "plan": build_plan(args, self.model),
+            "servers": {},
+            "probes": [],
+            "runs": [],
+            "skipped": [],
+        }
+        self.servers: dict[str, ABServer] = {}
+        self.calls = 0
+        self._tokenizer: Any = None
+
+    def tokenize(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.model / "tokenizer.json"))
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def left_s(self) -> float:
+        return self.args.max_wall_s - (time.monotonic() - self.t0)
+
+    def save(self) -> None:
+        self.report["wall_s"] = time.monotonic() - self.t0
+        tmp = self.out_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=1, default=str) + "\n")
+        tmp.replace(self.out_path)
+
+    def client(self, server: ABServer, ns: argparse.Namespace, prefixes: int,
+               prompts: int, seed: int) -> dict[str, Any]:  # fmt: skip
+        self.calls += 1
+        name = f"client-{self.calls:04d}-{server.config}.json"
+        argv = sb.client_argv(
+            server, self.model, ns, prefixes, prompts, seed, self.work, name
+        )
+        try:
+            return sb.run_client(
+                argv, self.work / f"client-{server.config}.log", sb.RUN_TIMEOUT_S
+            )
+        finally:  # what it holds goes into this report; keep the logs small
+            (self.work / name).unlink(missing_ok=True)
+
+    def start(self, arm: str) -> None:
+        cfg = arm_config(arm, self.args.host_bytes)
+        env = sb.server_env(1)
+        for key in cfg["unset_env"]:
+            env.pop(key, None)
+        env.update(cfg["env"])
+        server = ABServer(
+            arm,
+            server_cmd(arm, self.model, self.args),
+            env,
+            self.work / f"server-{arm}.log",
+        )
+        info: dict[str, Any] = {"cmd": server.args, "env": cfg["env"]}
+        try:
+            info["start_s"] = server.start()
+            sb.warm_up(server, self.model, self.args, self.work)
+            self.servers[arm] = server
+        except Exception as e:  # the other arms go on
+            info["error"] = f"{type(e).__name__}: {e}"
+            info["log_tail"] = server.log_tail()
+            server.stop()
+        info["log_facts"] = log_facts(server.log_text())
+        self.report["servers"][arm] = info
+
+    def probe(self, arm: str, k: int) -> dict[str, Any]:
+        server, a = self.servers[arm], self.args
+        seed = a.seed + 1000 + k
+        one = _variant(a, output_len=a.probe_output_len, concurrency=1)
+        many = _variant(a, output_len=a.probe_output_len)
+        rec: dict[str, Any] = {"arm": arm, "probe": k, "seed": seed}
+        try:
+            server.reset_prefix_cache()
+            cold = self.client(server, one, 1, 1, seed)
+            n = evict_prompts(a)
+            self.client(server, many, n, n, seed + 500)
+            before = server.settled_metrics()
+            again = self.client(server, one, 1, 1, seed)
+            delta = sb.metric_delta(before, server.settled_metrics())
+            rec.update(
+                cold_ttft_ms=cold["ttfts"][0] * 1000,
+                repeat_ttft_ms=again["ttfts"][0] * 1000,
+                cold_text=(cold.get("generated_texts") or [None])[0],
+                repeat_text=(again.get("generated_texts") or [None])[0],
+                repeat=hit_rate(delta),
+                repeat_delta=delta,
+            )
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["server_log_tail"] = server.log_tail()
+        return rec
+
+    def run(self, arm: str, level: Any, conc: int, rep: int) -> dict[str, Any]:
+        server, a = self.servers[arm], self.args
+        rec: dict[str, Any] = {
+            "arm": arm,
+            "level": level.name,
+            "concurrency": conc,
+            "repeat": rep,
+            "summary": None,
+        }
+        try:
+            server.reset_prefix_cache()
+            before = server.settled_metrics()
+            t = time.monotonic()
+            result = self.client(
+                server,
+                _variant(a, concurrency=conc),
+                level.num_prefixes(a.num_prompts),
+                a.num_prompts,
+                a.seed,
+            )
+            rec["client_wall_s"] = time.monotonic() - t
+            delta = sb.metric_delta(before, server.settled_metrics())
+            s = sb.summarize_client(result)
+            rec["hits"] = hit_rate(delta)
+            rec["server_metrics_delta"] = delta
+            rec["texts"] = result.get("generated_texts")
+            rec["input_lens"] = result.get("input_lens")
+            errors = [e for e in result.get("errors") or [] if e]
+            if s["failed"] or errors:
+                rec["errors"] = errors[:5]
+                raise RuntimeError(f"{s['failed']} failed requests")
+            rec["summary"] = s
+        except Exception as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["server_log_tail"] = server.log_tail()
+        return rec
+
+    def step(self, what: str, fn: Any, dest: str) -> None:
+        if self.left_s() <= 0:
+            self.report["skipped"].append(what)
+            print(f"  skipped (past --max-wall-s): {what}", flush=True)
+            return
+        t = time.monotonic()
+        rec = fn()
+        rec["wall_s"] = time.monotonic() - t
+        self.report[dest].append(rec)
+        print(
+            f"  {what}: {rec.get('error') or 'ok'} in {rec['wall_s']:.1f} s",
+            flush=True,
+        )
+        self.summarize()
+        self.save()
+
+    def summarize(self) -> None:
+        arms = [a for a in self.args.arm_list if a in self.report["servers"]]
+        self.report["summary"] = {
+            "ttft_probes": summarize_probes(self.report["probes"], arms),
+            "throughput": summarize_runs(self.report["runs"], arms, self.tokenize),
+        }
+
+    def main(self) -> int:
+        a = self.args
+        try:
+            for arm in a.arm_list:
+                if self.left_s() <= 0:
+                    self.report["skipped"].append(f"start {arm}")
+                    continue
+                print(f"=== start {arm}", flush=True)
+                self.start(arm)
+                self.save()
+            live = [arm for arm in a.arm_list if arm in self.servers]
+            for k in range(a.probes):
+                for arm in live:
+                    self.step(
+                        f"probe {k} {arm}", functools.partial(self.probe, arm, k),
+                        "probes",
+                    )  # fmt: skip
+            for rep in range(a.repeats):
+                for lv in a.level_list:
+                    for conc in a.concurrency_list:
+                        for arm in live:
+                            self.step(
+                                f"run {lv.name} c{conc} #{rep} {arm}",
+                                functools.partial(self.run, arm, lv, conc, rep),
+                                "runs",
+                            )
+        finally:
+            for server in self.servers.values():
+                server.stop()
+            for arm, info in self.report["servers"].items():
+                path = self.work / f"server-{arm}.log"
+                if path.is_file():
+                    info["log_facts"] = log_facts(path.read_text(errors="replace"))
+            for r in self.report["runs"]:
+                texts = r.pop("texts", None)
+                r["text_digest"] = sb._text_digest(texts or [])
+            self.save()
+        print(json.dumps(self.report.get("summary", {}), default=str)[:3000])
+        failed = [
+            r for r in self.report["runs"] + self.report["probes"] if r.get("error")
+        ]
+        down = [arm for arm, i in self.report["servers"].items() if i.get("error")]
+        skipped = self.report["skipped"]
+        print(
+            f"JSON: {self.out_path}; failed steps {len(failed)}, arms down {down}, "
+            f"skipped steps {len(skipped)}"
+        )
+        return 1 if failed or down else 3 if skipped else 0
+
+
+# -- command line -----------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {ARMS}")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/ab")))
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=ROOT / ".gpu-work" / "ab_offload",
+        help="server and client logs",
+    )
+    p.add_argument(
+        "--model-cache",
+        type=Path,
+        default=ROOT / ".gpu-work" / "serving-model",
+        help="where serving_bench's model is built (once)",
+    )
+    p.add_argument("--levels", default="high", help=f"of {','.join(sb.LEVELS)}")
+    p.add_argument("--concurrencies", default="4,8")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--probes", type=int, default=3)
+    p.add_argument("--probe-output-len", type=int, default=1)
+    p.add_argument("--evict-prompts", type=int, default=0, help="0: from the sizes")
+    p.add_argument("--num-prompts", type=int, default=96)
+    p.add_argument("--prefix-len", type=int, default=384)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-bytes", type=int, default=16 * MIB)
+    p.add_argument("--host-bytes", type=int, default=256 * MIB)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.15)
+    p.add_argument("--max-wall-s", type=float, default=500.0)
+    args = p.parse_args(argv)
+    args.arm_list = [x.strip() for x in args.arms.split(",") if x.strip()]
+    bad = [x for x in args.arm_list if x not in ARMS]
+    if bad or "none" not in args.arm_list:
+        p.error(f"--arms: unknown {bad} or no 'none' (the reference); of {ARMS}")
+    args.level_list = [sb.LEVELS[x.strip()] for x in args.levels.split(",")]
+    args.concurrency_list = [int(x) for x in args.concurrencies.split(",")]
+    # serving_bench's names: its server flags and client read these.
+    args.kv_cache_bytes_int = args.kv_cache_bytes
+    args.kv_cache_bytes = str(args.kv_cache_bytes)
+    args.host_cache_bytes = str(args.host_bytes)
+    args.concurrency = args.concurrency_list[0]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        plan = build_plan(args, model_path(args))
+        plan["imported_torch_or_vllm"] = sorted(
+            m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")
+        )
+        (args.out / "ab_offload_plan.json").write_text(
+            json.dumps(plan, indent=1) + "\n"
+        )
+        print(json.dumps(plan, indent=1))
+        print(f"ab_offload dry run -> {args.out / 'ab_offload_plan.json'}")
+        return 0
+    gpu = gpu_info()
+    if gpu is None:
+        print("ab_offload: needs an NVIDIA GPU (nvidia-smi found none); --dry-run "
+              "prints the plan anywhere")  # fmt: skip
+        return 2
+    # SIGTERM (a call's limit) runs the finally that stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with contextlib.suppress(KeyboardInterrupt):
+        return AB(args, gpu, list(sys.argv[1:] if argv is None else argv)).main()
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
