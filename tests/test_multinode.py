@@ -51,9 +51,10 @@ PP_BUDGET = 64 * MiB
 TIER_PARTITION = "5,3"
 #: test_host_tier_engine's pipeline: 24 MiB per rank, 640 KiB per block on
 #: stage 0 (5 float32 layers of 128 KiB): 38 blocks, to which vLLM cuts
-#: stage 1 as well. The same 38 blocks from a token budget: 38 x 128.
+#: stage 1 as well. The same 38 blocks from a token budget: 37 x 128 tokens
+#: and vLLM's null block.
 TIER_BLOCKS = 38
-TIER_TOKENS = TIER_BLOCKS * 128
+TIER_TOKENS = (TIER_BLOCKS - 1) * 128
 #: The head's step timeout in the run where node 1 dies: vLLM 0.32 notices a
 #: dead node only when a step's reply from it times out.
 STEP_TIMEOUT_S = 15

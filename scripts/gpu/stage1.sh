@@ -79,8 +79,13 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "not vllm"
         --junitxml "$OUT/stage1_pytest.xml")
 if [ "$DRY" = 1 ]; then
     # Collected only; test_copy_engine.py (which imports vLLM here) left out.
-    PYTEST=("${PYTEST[@]/tests\/test_copy_engine.py/}")
-    step pytest 300 "${PYTEST[@]}" --collect-only
+    # (Dropped from the array, not blanked: an empty argument would make
+    # pytest collect the whole repository.)
+    DRY_PYTEST=()
+    for arg in "${PYTEST[@]}"; do
+        [ "$arg" = tests/test_copy_engine.py ] || DRY_PYTEST+=("$arg")
+    done
+    step pytest 300 "${DRY_PYTEST[@]}" --collect-only
     step transfer_bench 300 "$PY" benchmarks/transfer_bench.py --device cpu --quick \
         --iters 1 --pageable --overlap --shapes 8b --out "$OUT/transfer_cpu_dryrun.json"
 else
