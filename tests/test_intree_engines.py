@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ENGINE_TIMEOUT_S, ROOT, VENV_033, engine_env, no_plugin_shim
+from tests.helpers import ROOT, VENV_033, engine_env, no_plugin_shim, run_pytest
 from vllm_kvmem.intree import series as intree
 
 MODEL_ID = "hmellor/tiny-random-LlamaForCausalLM"
@@ -92,27 +90,7 @@ def release(request, tmp_path_factory, hf_cache):
 
 def _run(python: str, file: Path, test: str, env: dict, cwd: Path, out: Path) -> dict:
     env = {**env, "KV_CACHE_TEST_REPORT": str(out)}
-    done = subprocess.run(
-        [
-            python,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--noconftest",
-            f"{file}::{test}",
-        ],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0 and re.search(r"\b1 passed\b", done.stdout), output[
-        -8000:
-    ]
+    run_pytest(python, [f"{file}::{test}"], env, cwd)
     return json.loads((out / f"{test}.json").read_text())
 
 

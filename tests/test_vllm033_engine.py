@@ -27,8 +27,6 @@ from tests.helpers import (
     Run,
     assert_runs_equal,
     both_vllms,
-    host_tier_kwargs,
-    host_tier_workload,
     run_engine,
     run_engine_test,
 )
@@ -87,37 +85,6 @@ def test_the_environment_says_what_it_is(vllm033_python):
         )
         python_files = [f for f in record["changed_from_wheel"] if f.endswith(".py")]
         assert python_files == ["vllm/platforms/__init__.py"]
-
-
-@pytest.mark.engine
-def test_host_tier_on_vllm_033_gives_identical_output_with_host_hits(
-    model_8l, vllm033_python
-):
-    """Documents four times the device cache, read twice, without the tier and
-    with it (engine core in its own process, as a server runs it): the same
-    greedy tokens, and the second pass hits the host tier."""
-    work = host_tier_workload()
-    off = run_engine(
-        host_tier_kwargs(model_8l, False, enforce_eager=True),
-        work,
-        vllm033_python,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    )
-    on = run_engine(
-        host_tier_kwargs(model_8l, True, enforce_eager=True),
-        work,
-        vllm033_python,
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-    )
-    assert off.returncode == 0, off.log[-4000:]
-    assert on.returncode == 0, on.log[-4000:]
-    assert on.report["token_ids"] == off.report["token_ids"]
-    second_off, second_on = (
-        off.report["cached_tokens"][1],
-        on.report["cached_tokens"][1],
-    )
-    assert sum(second_on) >= 4 * max(1, sum(second_off))
-    assert "Host KV tier: " in on.log
 
 
 @pytest.mark.engine

@@ -39,15 +39,19 @@ Related: #50821, #52921 (block counts across PP ranks).
 `pytest tests/v1/core/test_pp_kv_budget.py`: synthetic per-worker specs
 (6/2 and 4/4 layers, 2 and 8 KV heads, TP 2 x PP 2), no model: the shares
 follow the bytes per block, every stage holds the same block count, the sum
-stays within the budget, an empty stage is refused by name, the override
-wins, and the flag requires `--kv-cache-memory-bytes`.
+stays within the budget, an empty stage is refused by name, an
+attention-free model keeps its memory, and the flag requires
+`--kv-cache-memory-bytes`.
+`pytest tests/v1/e2e/test_kv_cache_budget_engine.py`: a pipeline of 2 on
+`hmellor/tiny-random-LlamaForCausalLM`; every stage holds the blocks of the
+proportional split, within the budget.
 
 ## Test Result
 
-All pass on CPU. A pipeline of 2 (layers 5 and 3) with a 24 MiB budget
-gets 15 MiB and 9 MiB and 24 blocks on each stage, where the same budget
-per GPU reserves 24 MiB on each stage and trims the second to the first's
-block count.
+All pass on CPU (vLLM's CPU build). The engine test, a pipeline of 2
+(layers 6 and 2, float32, 128-token blocks of 128 KiB per layer) with a
+24 MiB budget: 24 blocks on each stage, 18 MiB and 6 MiB, the budget to the
+byte.
 """
 
 _FIELD = '''
