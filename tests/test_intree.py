@@ -20,16 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import VENV_033, no_plugin_shim
+from tests.helpers import no_plugin_shim, site_033
 from vllm_kvmem.demo_engine import engine_env
 from vllm_kvmem.intree import series as intree
 
 #: Patches that may exceed the line budget (the connector, with its RFC).
 NO_LINE_BUDGET = ("host_kv_tier",)
-
-
-def _site(venv: Path) -> Path:
-    return next((venv / "lib").glob("python3*/site-packages"))
 
 
 @pytest.fixture(scope="module", params=["0.32", "0.33"])
@@ -39,7 +35,7 @@ def release(request, tmp_path_factory):
         python, src = sys.executable, intree.installed_vllm_root()
     else:
         python = request.getfixturevalue("vllm033_python")
-        src = _site(VENV_033)
+        src = site_033()
     out = tmp_path_factory.mktemp(f"series{request.param.replace('.', '')}")
     version, files = intree.write_series(out, src)
     assert version.startswith(request.param + ".")
@@ -211,7 +207,7 @@ def test_the_033_series_from_the_wheel_is_the_same(wheel_033, vllm033_python, tm
     series written against the 0.33 environment's files (which are the
     wheel's for every file the series touches)."""
     _v, from_wheel = intree.write_series(tmp_path / "wheel", wheel_033.root)
-    _v, from_env = intree.write_series(tmp_path / "env", _site(VENV_033))
+    _v, from_env = intree.write_series(tmp_path / "env", site_033())
     assert [p.read_bytes() for p in from_wheel] == [p.read_bytes() for p in from_env]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, VENV_033, engine_env, no_plugin_shim, run_pytest
+from tests.helpers import ROOT, engine_env, no_plugin_shim, run_pytest, site_033
 from vllm_kvmem.intree import series as intree
 
 MODEL_ID = "hmellor/tiny-random-LlamaForCausalLM"
@@ -66,7 +66,7 @@ def release(request, tmp_path_factory, hf_cache):
         python, src = sys.executable, intree.installed_vllm_root()
     else:
         python = request.getfixturevalue("vllm033_python")
-        src = next((VENV_033 / "lib").glob("python3*/site-packages"))
+        src = site_033()
     tmp = tmp_path_factory.mktemp(f"intree{request.param.replace('.', '')}")
     _version, files = intree.write_series(tmp / "series", src)
     copy = intree.copy_tree(src, tmp / "vllm")

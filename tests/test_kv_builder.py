@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import VENV_033, run_probe
+from tests.helpers import run_probe, site_033
 from tests.planning_probe import CORE_CALLS_033
 
 BIG = 1 << 40
@@ -146,8 +146,7 @@ def test_the_probe_makes_the_engine_cores_calls(vllm033_python):
     ``plan_033`` makes, in that order, the probe is stale: this fails."""
     from vllm_kvmem.vllm_sources import SourceTree
 
-    site = next((VENV_033 / "lib").glob("python3*/site-packages"))
-    tree = SourceTree(site)
+    tree = SourceTree(site_033())
     assert tree.version().startswith("0.33.")
     calls = list(tree.calls("vllm.v1.engine.core:EngineCore._initialize_kv_caches"))
     assert [c for c in calls if c in CORE_CALLS_033] == list(CORE_CALLS_033)
