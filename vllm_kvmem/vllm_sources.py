@@ -27,16 +27,21 @@ class SourceTree:
 
     root: Path
 
-    @cache  # noqa: B019 - a tree is read once per process; trees are few
-    def _text(self, relpath: str) -> str | None:
+    def read(self, relpath: str) -> bytes | None:
+        """The bytes of ``relpath`` (``vllm/...``), or None if the tree lacks it."""
         if self.root.suffix == ".whl":
             with zipfile.ZipFile(self.root) as wheel:
                 try:
-                    return wheel.read(relpath).decode()
+                    return wheel.read(relpath)
                 except KeyError:
                     return None
         path = self.root / relpath
-        return path.read_text() if path.is_file() else None
+        return path.read_bytes() if path.is_file() else None
+
+    @cache  # noqa: B019 - a tree is read once per process; trees are few
+    def _text(self, relpath: str) -> str | None:
+        data = self.read(relpath)
+        return None if data is None else data.decode()
 
     def module(self, name: str) -> ast.Module | None:
         """The parsed module ``name`` (dotted), or None if the tree lacks it."""

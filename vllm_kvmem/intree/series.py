@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,23 +87,13 @@ def _git(repo: Path, *args: str) -> str:
     return done.stdout
 
 
-def _read(tree: Path, relpath: str) -> bytes | None:
-    if tree.suffix == ".whl":
-        with zipfile.ZipFile(tree) as wheel:
-            try:
-                return wheel.read(relpath)
-            except KeyError:
-                return None
-    path = tree / relpath
-    return path.read_bytes() if path.is_file() else None
-
-
 def write_series(out: Path, vllm_src: Path | None = None) -> tuple[str, list[Path]]:
     """Write the series for the vLLM tree ``vllm_src`` (a folder holding
     ``vllm/``, or a wheel; default: the installed vLLM) into ``out``.
     Returns the tree's vLLM version and the patch files, in order."""
     tree = Path(vllm_src) if vllm_src else installed_vllm_root()
-    version = SourceTree(tree).version()
+    source = SourceTree(tree)
+    version = source.version()
     if version is None:
         raise ValueError(f"{tree}: no vllm/_version.py")
     series = series_of(version)
@@ -118,7 +107,7 @@ def write_series(out: Path, vllm_src: Path | None = None) -> tuple[str, list[Pat
             {c.path for _, cs in todo for c in cs if isinstance(c, Edit)} - added
         )
         for relpath in seeded:
-            data = _read(tree, relpath)
+            data = source.read(relpath)
             if data is None:
                 raise ValueError(f"{tree}: no {relpath} (vLLM {version})")
             (repo / relpath).parent.mkdir(parents=True, exist_ok=True)
