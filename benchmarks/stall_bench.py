@@ -36,6 +36,16 @@ Configurations: ``none`` (no tier; B recomputes what the device lost) and
 none, tier, ...) so that load from other work on this shared machine hits both
 alike.
 
+Why its own client and not vLLM's (``vllm bench serve``): the workload is one
+timed interleaving, not a request stream. B is sent when A's stream has
+produced its ``--b-after``-th token, and the figures are A's chunk arrivals
+with their token counts (``return_token_ids``) and B's and D2's cached prompt
+tokens (``usage.prompt_tokens_details``); vLLM's client sends requests by rate
+and concurrency, and its request functions keep neither token ids per chunk
+nor cached tokens. The server, and the /metrics page read with
+prometheus_client's parser, are ``_server.py``'s, shared with
+``serving_bench.py``.
+
 Why a fresh server per run and not one server per configuration with
 ``/reset_prefix_cache``: resetting the device prefix cache does not empty the
 host tier, so from the second repeat on D1 and D2 would already be in host
@@ -96,7 +106,7 @@ if importlib.util.find_spec("vllm_kvmem") is None:
 
 from _model import ModelShape  # noqa: E402
 from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
-from _server import ApiServer  # noqa: E402
+from _server import ApiServer, http, parse_metrics  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 CONFIGS = ("none", "tier")
@@ -283,16 +293,9 @@ def _stream(
 
 
 def _kvmem_metrics(url: str) -> dict[str, float]:
-    import requests
-
-    out: dict[str, float] = {}
-    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:kvmem_"):
-            name, _, value = line.rpartition(" ")
-            name = name.split("{")[0]
-            if not name.endswith("_created"):
-                out[name] = float(value)
-    return out
+    """The server's ``vllm:kvmem_*`` counters and gauges."""
+    text = http(f"{url}/metrics", timeout=30)[1]
+    return {k: v for k, v in parse_metrics(text).items() if k.startswith("vllm:kvmem_")}
 
 
 def cpu_busy(interval_s: float = 2.0) -> float:

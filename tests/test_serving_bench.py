@@ -1,8 +1,11 @@
-"""The pure parts of benchmarks/serving_bench.py: /metrics parsing, summaries,
-tier/none ratios, targets and the output comparison (no server, no vLLM)."""
+"""benchmarks/serving_bench.py without a server: its dry run (the workload as
+vLLM's own client parses and samples it), /metrics parsing, summaries,
+tier/none ratios, targets and the output comparison."""
 
 from __future__ import annotations
 
+import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,7 @@ vllm:num_preemptions_total 0.0
 
 
 def test_parse_metrics_sums_label_sets_and_skips_others(bench):
-    m = bench.parse_metrics(METRICS_PAGE)
+    m = bench.parse_metrics(METRICS_PAGE + "vllm:not_asked_total 5.0\n", bench.METRICS)
     assert m == {
         "vllm:kvmem_host_hit_tokens_total": 22500.0,
         "vllm:prefix_cache_hits_total": 8320.0,
@@ -41,6 +44,33 @@ def test_parse_metrics_sums_label_sets_and_skips_others(bench):
     assert delta["vllm:prefix_cache_hits_total"] == 0.0
     # A counter missing before (config none has no kvmem counters) is left out.
     assert bench.metric_delta({}, after) == {}
+
+
+def test_dry_run_draws_each_level_from_vllms_dataset(bench, tmp_path, capsys):
+    """The plan's client arguments go through ``vllm bench serve``'s parser and
+    its ``prefix_repetition`` dataset: the prompts it draws share exactly as
+    many prefixes as the level says, no server started."""
+    argv = ["--dry-run", "--quick", "--num-prompts", "12"]
+    assert bench.main([*argv, "--model-cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    plan, _ = json.JSONDecoder().raw_decode(out[out.index("{") :])
+
+    none, tier = (shlex.split(plan["servers"][c]) for c in ("none", "tier"))
+    assert tier == [*none, "--kv-host-cache-bytes", "256M"]
+    assert set(plan["levels"]) == {"unique", "high"}  # --quick's levels
+    for name, want in (("unique", 12), ("high", 2)):
+        lv = plan["levels"][name]
+        client = shlex.split(lv["client"])
+        assert client[:3] == ["vllm", "bench", "serve"]
+        assert "--save-result" not in client  # only with --keep-raw
+        assert lv["num_prefixes"] == want
+        sampled = lv["sampled"]
+        assert sampled["prompts"] == 12 and sampled["distinct_prefixes"] == want
+        assert sampled["output_lens"] == [32]
+        # 384 + 32 tokens; vLLM's sampler may miss by a token or two
+        assert all(abs(n - 416) <= 4 for n in sampled["prompt_lens"])
+    assert plan["order"][:2] == ["unique#0:none", "unique#0:tier"]  # interleaved
+    assert len(plan["order"]) == 2 * 2 * 2  # levels x repeats x configs
 
 
 def test_levels_reuse_fraction(bench):
