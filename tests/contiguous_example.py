@@ -1,15 +1,19 @@
-"""The smallest connector that opts in to the contiguous KV layout.
+"""The smallest connector that asks for the contiguous KV layout.
 
 A test double, not shipped with the package: it moves no data, and exists to
-show the opt-in and to let tests check which layout the engine resolves and
-what the workers register. From the repository root (where the tests start
-their engines) use it with::
+show the request (vLLM's own ``get_required_kvcache_layout()``) and to let
+tests check which layout the engine resolves and what the workers register.
+From the repository root (where the tests start their engines) use it with::
 
     kv_transfer_config={
         "kv_connector": "ContiguousLayoutExampleConnector",
         "kv_connector_module_path": "tests.contiguous_example",
         "kv_role": "kv_both",
     }
+
+It requires BLHNC; ``"kv_connector_extra_config": {"kv_cache_layout": X}``
+makes it require X instead (null: no layout), as a connector's requirement
+may depend on its configuration.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from vllm_kvmem.layout import ContiguousKVLayoutMixin
 
+class ContiguousLayoutExampleConnector(KVConnectorBase_V1):
+    """Requires BLHNC; records the KV tensors it is given; transfers nothing."""
 
-class ContiguousLayoutExampleConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1):
-    """Opts in; records the KV tensors it is given; transfers nothing."""
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        kv_config = vllm_config.kv_transfer_config
+        return kv_config.get_from_extra_config("kv_cache_layout", "BLHNC")
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.kv_caches = kv_caches
@@ -57,22 +64,3 @@ class ContiguousLayoutExampleConnector(ContiguousKVLayoutMixin, KVConnectorBase_
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KVConnectorMetadata()
-
-
-class BlockOuterRequiredConnector(ContiguousLayoutExampleConnector):
-    """Opts in and also names BLHNC through vLLM's own
-    ``get_required_kvcache_layout()``, as a connector written against vLLM's
-    API does: vLLM then takes BLHNC wherever every backend accepts it."""
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return "BLHNC"
-
-
-class VllmOnlyBlockOuterConnector(BlockOuterRequiredConnector):
-    """Names BLHNC through vLLM's API only (no vllm-kvmem opt-in): the layout
-    is vLLM's resolution alone."""
-
-    @classmethod
-    def prefers_contiguous_kv_layout(cls, vllm_config: Any) -> bool:
-        return False

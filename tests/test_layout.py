@@ -1,7 +1,9 @@
-"""Layout resolution for connectors that opt in, on vLLM's real resolver.
+"""Layout resolution for connectors that require a block-outer layout
+through vLLM's ``get_required_kvcache_layout()``, on vLLM's real resolver.
 
 Calls the patched ``resolve_kv_cache_layout`` the way the engine core does,
-with a real VllmConfig and real vLLM KV specs.
+with a real VllmConfig and real vLLM KV specs, and the patched worker's list
+with vLLM's real backend selection.
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ EXAMPLE = {
     "kv_connector": "ContiguousLayoutExampleConnector",
     "kv_connector_module_path": "tests.contiguous_example",
     "kv_role": "kv_both",
+}  # requires BLHNC through vLLM's get_required_kvcache_layout()
+
+
+def requiring(layout):
+    """The example connector, requiring ``layout`` (None: no layout)."""
+    return {**EXAMPLE, "kv_connector_extra_config": {"kv_cache_layout": layout}}
+
+
+# vLLM's own ExampleConnector: get_required_kvcache_layout() is the base's None.
+VLLM_EXAMPLE = {
+    "kv_connector": "ExampleConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"shared_storage_path": "/tmp/kvmem-x"},
 }
-# Opts in and names BLHNC through vLLM's get_required_kvcache_layout() too.
-REQUIRED = {**EXAMPLE, "kv_connector": "BlockOuterRequiredConnector"}
-# Names BLHNC through vLLM's API only: vLLM's own resolution.
-VLLM_ONLY = {**EXAMPLE, "kv_connector": "VllmOnlyBlockOuterConnector"}
 FULL = FullAttentionSpec(
     block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
 )
@@ -43,7 +54,13 @@ SLIDING = SlidingWindowSpec(
 MLA = MLAAttentionSpec(
     block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
 )
+WIDE = dataclasses.replace(FULL, head_size=128)  # another page shape
+# What CPU workers report with a connector configured: CPU_ATTN for a connector
+# requiring a block-outer layout, CPU_MLA once vllm-kvmem has withheld its
+# block-outer layouts; and a GPU worker whose backends declare nothing.
 CPU_LAYOUTS = [["LBHNC", "BLHNC"]]
+MLA_ON_CPU = [["LBNHC", "LBHNC", "LHBNC"]]
+ANY = [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]]
 
 
 def _config(model, connector=EXAMPLE):
@@ -61,112 +78,110 @@ def layout_log(model_8l):
         yield records
 
 
-def test_opted_in_uniform_model_gets_blhnc(model_8l, layout_log):
+@pytest.fixture
+def vllm_log(model_8l):
+    """vLLM's own resolver's log records (its fallback warning)."""
+    _config(model_8l, None)
+    with captured_log("vllm.v1.attention.backends.utils") as records:
+        yield records
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [FULL] * 8,
+        [FULL] * 2 + [SLIDING] * 6,  # hybrid: vLLM's KV cache groups
+        [FULL] * 4 + [WIDE] * 4,  # mixed pages: block-compact only, as BLHNC is
+    ],
+)
+def test_connector_requiring_blhnc_gets_it(model_8l, layout_log, specs):
+    """vLLM's own rule takes the connector's BLHNC; our one line says so."""
     cfg = _config(model_8l)
     layout_log.clear()
-    layout = attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS * 2, [FULL] * 8)
+    layout = attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS * 2, specs)
     assert layout.name == "BLHNC" and layout.is_block_outermost
     assert cfg.cache_config.kv_cache_layout == "BLHNC"
-    assert any("contiguous across layers" in m for m in messages(layout_log))
+    assert messages(layout_log) == [
+        "Using BLHNC KV cache layout: contiguous across layers (one copy per "
+        "block), requested by ContiguousLayoutExampleConnector."
+    ]
 
 
-def test_no_connector_or_no_opt_in_keeps_vllms_choice(model_8l, layout_log):
-    assert attn_utils.resolve_kv_cache_layout(
-        _config(model_8l, None), CPU_LAYOUTS, [FULL]
-    ).name == ("LBHNC")
-    example = {**EXAMPLE, "kv_connector": "ExampleConnector"}
-    example.pop("kv_connector_module_path")
-    example["kv_connector_extra_config"] = {"shared_storage_path": "/tmp/kvmem-x"}
-    cfg = _config(model_8l, example)
+@pytest.mark.parametrize("connector", [None, VLLM_EXAMPLE, requiring(None)])
+def test_no_connector_or_not_asking_keeps_vllms_choice(model_8l, layout_log, connector):
+    cfg = _config(model_8l, connector)
     assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
     assert layout_log == []  # nothing said when nobody asked
 
 
-# What CPU workers report with a connector configured: CPU_ATTN with the
-# opt-in, and CPU_MLA once vllm-kvmem has withheld its block-outer layouts.
-MLA_ON_CPU = [["LBNHC", "LBHNC", "LHBNC"]]
-WIDE = dataclasses.replace(FULL, head_size=128)  # another page shape
+def test_a_layer_outer_requirement_is_vllms_alone(model_8l, layout_log):
+    cfg = _config(model_8l, requiring("HND"))  # FlashInfer's legacy name
+    assert attn_utils.resolve_kv_cache_layout(cfg, ANY, [FULL]).name == "LBHNC"
+    assert layout_log == []
 
 
 @pytest.mark.parametrize(
-    "specs,layouts",
+    "required,specs,layouts,reason,resolved",
     [
-        ([FULL] * 8, CPU_LAYOUTS),
-        ([FULL] * 4 + [SLIDING] * 4, CPU_LAYOUTS),  # hybrid, one page shape
-        ([FULL] * 4 + [WIDE] * 4, CPU_LAYOUTS),  # mixed pages: block-compact only
-        ([MLA] * 4, CPU_LAYOUTS),  # a backend that takes BLHNC for MLA
-        ([MLA] * 4, MLA_ON_CPU),
-        ([FULL] * 8, [["LBHNC"]]),
-        ([FULL] * 8, [["LBNHC", "LBHNC", "BLNHC", "BLHNC"]]),  # vLLM's default
+        ("BLHNC", [MLA] * 4, MLA_ON_CPU, "the model uses MLA on CPU", "LBNHC"),
+        (
+            "BLHNC",
+            [FULL] * 8,
+            [["LBHNC"]],
+            "the attention backends in use support only LBHNC",
+            "LBHNC",
+        ),
+        (
+            "BLNHC",  # CPU_ATTN reads pages as [H, N, C]: BLHNC only
+            [FULL] * 8,
+            CPU_LAYOUTS,
+            "the attention backends in use support only LBHNC, BLHNC",
+            "LBHNC",
+        ),
+        (
+            "BHLNC",  # block-outer, not block-compact
+            [FULL] * 4 + [WIDE] * 4,
+            ANY,
+            "the model's layers have different page shapes",
+            "LBNHC",
+        ),
     ],
 )
-def test_one_rule_with_vllm(model_8l, specs, layouts):
-    """The opt-in gets a block-outer layout exactly where vLLM's own
-    resolution gives one to a connector that requires BLHNC through
-    get_required_kvcache_layout(), judged on the same specs."""
-    from vllm_kvmem.patches import kv_cache_layout
-    from vllm_kvmem.patches._registry import original_of
-
-    ours = attn_utils.resolve_kv_cache_layout(_config(model_8l), layouts, specs)
-    vllms = original_of(kv_cache_layout.PATCH)(
-        _config(model_8l, VLLM_ONLY), layouts, specs
-    )
-    assert ours.is_block_outermost == vllms.is_block_outermost
-
-
-def test_hybrid_model_gets_blhnc(model_8l, layout_log):
-    """Sliding-window and full-attention layers (vLLM's hybrid KV cache
-    groups) take the contiguous layout, as vLLM would for a connector that
-    requires it, and the line says so."""
-    cfg = _config(model_8l)
-    layout_log.clear()
-    specs = [FULL] * 2 + [SLIDING] * 6
-    layout = attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, specs)
-    assert layout.name == "BLHNC"
-    (line,) = messages(layout_log)
-    assert "Using BLHNC KV cache layout: contiguous across layers" in line
-
-
-@pytest.mark.parametrize(
-    "specs,layouts,reason,resolved",
-    [
-        ([MLA] * 4, MLA_ON_CPU, "MLA on CPU", "LBNHC"),
-        ([FULL] * 8, [["LBHNC"]], "supports only LBHNC", "LBHNC"),
-    ],
-)
-def test_fallback_logs_one_line_naming_the_condition(
-    model_8l, layout_log, specs, layouts, reason, resolved
+def test_unmet_request_gets_vllms_fallback_and_one_line(
+    model_8l, layout_log, vllm_log, required, specs, layouts, reason, resolved
 ):
-    cfg = _config(model_8l)
+    """vLLM falls back with its own warning; our one line says why."""
+    cfg = _config(model_8l, requiring(required))
     layout_log.clear()
-    # vLLM's own choice stands, and we say why it is not the contiguous one.
+    vllm_log.clear()
     layout = attn_utils.resolve_kv_cache_layout(cfg, layouts, specs)
     assert layout.name == resolved
+    assert any(
+        f"KV connector cache layout {required} does not satisfy every supported set"
+        in m
+        and f"Using {resolved} instead." in m
+        for m in messages(vllm_log)
+    )
     (line,) = messages(layout_log)
-    assert "asks for the contiguous KV layout" in line and reason in line
-    assert line.endswith(f"using vLLM's {resolved} KV cache layout (per layer).")
+    assert line.startswith(
+        f"ContiguousLayoutExampleConnector requires the {required} KV cache "
+        f"layout, but {reason}"
+    )
+    assert line.endswith(f"; using vLLM's {resolved} KV cache layout (per layer).")
 
 
-def test_connector_requiring_blhnc_gets_the_line_its_tensors_match(
-    model_8l, layout_log
-):
-    """A connector that opts in and names BLHNC through vLLM's API: on a
-    hybrid model both agree on BLHNC (one line, saying so); on MLA on CPU,
-    where vllm-kvmem withheld it, vLLM falls back and our line names the
-    layout vLLM chose, never the one asked for."""
-    cfg = _config(model_8l, REQUIRED)
-    layout_log.clear()
-    specs = [FULL] * 2 + [SLIDING] * 6
-    assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, specs).name == "BLHNC"
-    (line,) = messages(layout_log)
-    assert "Using BLHNC" in line and "per layer" not in line
-    for connector, asked in ((REQUIRED, "asks for"), (VLLM_ONLY, "requires BLHNC")):
-        cfg = _config(model_8l, connector)
-        layout_log.clear()
-        layout = attn_utils.resolve_kv_cache_layout(cfg, MLA_ON_CPU, [MLA] * 4)
-        assert layout.name == "LBNHC"
-        (line,) = messages(layout_log)
-        assert asked in line and "MLA on CPU" in line and "LBNHC" in line
+def test_transitional_mixin_is_vllms_request():
+    """The host tier's connector inherits the mixin until it defines
+    get_required_kvcache_layout() itself: the mixin is nothing else."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from vllm_kvmem import layout
+
+    class Tier(layout.ContiguousKVLayoutMixin, KVConnectorBase_V1): ...
+
+    assert Tier.get_required_kvcache_layout(None) == "BLHNC"
+    assert not hasattr(layout, "prefers_contiguous_kv_layout")
+    assert not hasattr(layout.ContiguousKVLayoutMixin, "prefers_contiguous_kv_layout")
 
 
 def _set_layout_env(monkeypatch, value):
@@ -177,17 +192,13 @@ def _set_layout_env(monkeypatch, value):
         envs.cache_clear()
 
 
-def test_explicit_env_layout_wins(model_8l, layout_log, monkeypatch):
-    _set_layout_env(monkeypatch, "LBHNC")
-    cfg = _config(model_8l)
-    assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
-    assert any("VLLM_KV_CACHE_LAYOUT=LBHNC" in m for m in messages(layout_log))
-
-
-def test_env_layout_is_read_before_the_connector_is_imported(model_8l, monkeypatch):
+def test_env_layout_is_read_before_the_connector_is_imported(
+    model_8l, layout_log, monkeypatch
+):
     """vLLM's order: VLLM_KV_CACHE_LAYOUT first, and then the connector is not
-    consulted, so a connector class that cannot be imported fails where vLLM
-    fails (when the connector is built), not during layout resolution."""
+    consulted, by vLLM or by us (no line), so a connector class that cannot be
+    imported fails where vLLM fails (when the connector is built), not during
+    layout resolution."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     cfg = _config(model_8l)
@@ -202,13 +213,15 @@ def test_env_layout_is_read_before_the_connector_is_imported(model_8l, monkeypat
         KVConnectorFactory, "get_connector_class", classmethod(recording)
     )
     _set_layout_env(monkeypatch, "LBHNC")
+    layout_log.clear()
     assert attn_utils.resolve_kv_cache_layout(cfg, CPU_LAYOUTS, [FULL]).name == "LBHNC"
-    assert asked == []
+    assert asked == [] and layout_log == []
 
 
 def test_cpu_backend_declaration_is_vllms():
     """The plugin does not widen CPU_ATTN's own declaration: BLHNC is added by
-    a worker whose connector opts in (tests/test_layout_engine.py)."""
+    a worker whose connector requires a block-outer layout
+    (tests/test_layout_engine.py)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     names = [x.name for x in CPUAttentionBackend.supported_kv_cache_layouts()]
@@ -225,16 +238,16 @@ def _worker_config(model, connector, **kw):
     ).create_engine_config()
 
 
-def test_cpu_workers_report_blhnc_only_to_an_opt_in(model_8l):
-    """CPU_ATTN's list (LBHNC) gains BLHNC for a connector that opts in, and
-    for no one else (vLLM's backend selection for the model, no engine)."""
+def test_cpu_workers_report_blhnc_only_to_a_block_outer_request(model_8l):
+    """CPU_ATTN's list (LBHNC) gains BLHNC for a connector whose
+    get_required_kvcache_layout() names a block-outer layout, and for no one
+    else (vLLM's backend selection for the model, no engine)."""
     from vllm_kvmem.layout import worker_layouts
 
-    assert worker_layouts(_worker_config(model_8l, EXAMPLE), ["LBHNC"]) == [
-        "LBHNC",
-        "BLHNC",
-    ]
-    for connector in (None, VLLM_ONLY):
+    for connector in (EXAMPLE, requiring("BLNHC")):
+        cfg = _worker_config(model_8l, connector)
+        assert worker_layouts(cfg, ["LBHNC"]) == ["LBHNC", "BLHNC"]
+    for connector in (None, VLLM_EXAMPLE, requiring(None), requiring("LBHNC")):
         cfg = _worker_config(model_8l, connector)
         assert worker_layouts(cfg, ["LBHNC"]) == ["LBHNC"]
 
@@ -260,7 +273,7 @@ def test_cpu_mla_workers_never_report_a_block_outer_layout(tmp_path):
     assert "BLHNC" in vllms
     model = write_mla_model(tmp_path / "mla")
     layer_outer = [n for n in vllms if not KVCacheLayout[n].is_block_outermost]
-    for connector in (EXAMPLE, REQUIRED, VLLM_ONLY):
+    for connector in (EXAMPLE, VLLM_EXAMPLE):
         cfg = _worker_config(model, connector, load_format="dummy")
         assert worker_layouts(cfg, vllms) == layer_outer
     cfg = _worker_config(model, None, load_format="dummy")

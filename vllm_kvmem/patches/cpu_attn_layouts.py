@@ -1,6 +1,6 @@
-"""Let CPU_ATTN take the block-outer BLHNC layout, for connectors that opt in,
-and keep vLLM's CPU MLA backends off block-outer layouts, which they accept
-but cannot run."""
+"""Let CPU_ATTN take the block-outer BLHNC layout, for a connector that
+requires a block-outer layout, and keep vLLM's CPU MLA backends off
+block-outer layouts, which they accept but cannot run."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ PATCH = Patch(
     platforms=("cpu",),
     why="CPU_ATTN declares only LBHNC, yet its kernel reads each layer's "
     "[H, N, C] block interior through the view's block stride, so it works on "
-    "BLHNC views (block stride = layers x page). Without the declaration the "
-    "contiguous layout can never be chosen on CPU. The CPU MLA backends are "
+    "BLHNC views (block stride = layers x page). Without the declaration "
+    "vLLM refuses a connector's `get_required_kvcache_layout()` of BLHNC on "
+    "CPU (its fallback warning, LBHNC). The CPU MLA backends are "
     "the opposite: CPU_MLA and AMX_MLA declare no layouts, which vLLM reads as "
     "any, but view each layer's cache as contiguous rows (CPU_MLA's "
     "`do_kv_cache_update`, AMX_MLA's `forward_mqa`) and fail on a block-outer "
@@ -38,11 +39,15 @@ PATCH = Patch(
     "backend that declares no layouts, drops the block-outer layouts (vLLM "
     "then keeps the MLA model on LBNHC and refuses a connector's BLHNC with "
     "its own warning; the engine core's kv_cache_layout line says why); when "
-    "the connector opts in to the contiguous layout and every backend is "
-    "CPU_ATTN, appends BLHNC after LBHNC, so LBHNC stays vLLM's first choice "
-    "and BLHNC is taken only through the opt-in. Tests compare greedy output "
-    "token for token between the two layouts, and run an MLA model with a "
-    "connector that requires BLHNC. (The worker's method rather than the "
+    "every backend is CPU_ATTN and the connector's "
+    "`get_required_kvcache_layout()` names a block-outer layout (read through "
+    "vLLM's `get_kv_connector_cache_layout`), appends BLHNC after LBHNC, so "
+    "LBHNC stays vLLM's first choice and vLLM's own rule gives BLHNC to a "
+    "connector that requires it (any other block-outer layout gets vLLM's "
+    "fallback: the kernel reads pages as [H, N, C]). Tests compare greedy "
+    "output token for token between the two layouts, run a connector that "
+    "requires BLNHC and an MLA model with a connector that requires BLHNC. "
+    "(The worker's method rather than the "
     "backends' classmethods: only the worker knows its connector.)",
     upstream="None yet: one-line changes to CPUAttentionBackend (declare "
     "BLHNC) and CPUMLABackend and AMXMLABackend (declare their layer-outer "

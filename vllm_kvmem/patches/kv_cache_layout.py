@@ -1,4 +1,4 @@
-"""Resolve a block-outer KV layout for connectors that opt in."""
+"""Say why a connector's block-outer KV layout was or was not resolved."""
 
 from __future__ import annotations
 
@@ -7,14 +7,13 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def resolve_kv_cache_layout(vllm_config, supported_layouts, kv_cache_specs=None):
-        from vllm_kvmem.layout import choose_layout, log_choice
+        from vllm_kvmem.layout import connector_consulted, log_resolution
 
         specs = list(kv_cache_specs) if kv_cache_specs is not None else None
-        choice = choose_layout(vllm_config, supported_layouts, specs)
-        if choice.layout is not None:
-            vllm_config.cache_config.kv_cache_layout = choice.layout
+        consulted = connector_consulted(vllm_config)  # before vLLM records one
         layout = original(vllm_config, supported_layouts, specs)
-        log_choice(choice, layout)
+        if consulted:
+            log_resolution(vllm_config, supported_layouts, specs, layout)
         return layout
 
     return resolve_kv_cache_layout
@@ -28,26 +27,27 @@ PATCH = Patch(
     processes=("engine core",),
     versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
-    why="A connector that moves blocks wants all layers of a block adjacent (one "
-    "copy per block instead of one per layer), but only when the model and the "
-    "backends allow it; `get_required_kvcache_layout()` names one fixed layout "
-    "and vLLM drops it with a warning when unsupported, with no condition on "
-    "the model (seed 002).",
-    how="Before vLLM resolves the layout, in vLLM's order: when no layout is "
-    "set yet and VLLM_KV_CACHE_LAYOUT is unset (read first, so the connector "
-    "is not consulted when it is set), and the configured connector class "
-    "returns True from `prefers_contiguous_kv_layout(vllm_config)`, applies "
-    "vLLM's own rule for a layout a connector asks for, on the specs vLLM "
-    "judges: a block-outer, block-compact layout in every worker's supported "
-    "set (hybrid models included; MLA on CPU never qualifies, see "
-    "cpu_attn_layouts); records BLHNC (or the first such layout) on "
-    "`cache_config.kv_cache_layout`, which vLLM then keeps. After vLLM has "
-    "resolved, logs one line naming the layout the tensors get, and, when "
-    "the contiguous one was not chosen, why. Rebinds the name imported into "
+    why="A connector asks for a block-outer layout (BLHNC: one copy per block) "
+    "through vLLM's `get_required_kvcache_layout()`, and vLLM resolves it. When "
+    "the layout cannot be met, vLLM's warning lists the valid layouts but not "
+    "why: the backends' declaration, the model's mixed page shapes, or MLA on "
+    "CPU, where vllm-kvmem withholds block-outer layouts (cpu_attn_layouts). "
+    "Nor does vLLM's `Using X KV cache layout.` say that the connector's "
+    "request was met.",
+    how="Calls vLLM's `resolve_kv_cache_layout` with the same arguments and "
+    "returns its layout unchanged; it decides nothing. Afterwards, when vLLM "
+    "consulted the connector (no layout was recorded before and "
+    "VLLM_KV_CACHE_LAYOUT is unset: vLLM's order, so the connector class is "
+    "not even imported otherwise) and the configured connector's "
+    "`get_required_kvcache_layout()` names a block-outer layout, logs one info "
+    "line: the layout the tensors get and who asked, or, beside vLLM's own "
+    "warning, why the request was not met. Rebinds the name imported into "
     "`vllm.v1.engine.core`.",
-    upstream="RFC #42082 (KV cache layouts); seed 002's proposal; no PR yet.",
-    remove_when="vLLM resolves a conditional contiguous layout for connectors.",
-    idle="vLLM's own resolution: with VLLM_KV_CACHE_LAYOUT set nothing else is "
-    "consulted (vLLM's order), and a connector that does not opt in changes"
-    " nothing.",
+    upstream="None: the reasons could go into vLLM's fallback warning in "
+    "`resolve_kv_cache_layout`.",
+    remove_when="vLLM's fallback warning for a connector's layout says why it "
+    "is not in the supported set, and the plugin withholds no layout.",
+    idle="Logs nothing: without a connector whose `get_required_kvcache_layout()` "
+    "names a block-outer layout, or with VLLM_KV_CACHE_LAYOUT set, vLLM's "
+    "resolution is returned as is, with no extra line.",
 )
