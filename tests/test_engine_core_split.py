@@ -10,8 +10,6 @@ standing in for what a GPU worker would report).
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 from vllm.v1.core import kv_cache_utils as ku
 
@@ -206,7 +204,7 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
     """The workers' components (here as the executor patch stores them; a GPU
     worker would measure them) appear in the refusal, and the suggestion fits
     the limit after every component is taken off."""
-    from vllm_kvmem.device_limits import RUNTIME_KEY, DeviceLimit
+    from vllm_kvmem.budget.runtime import BudgetRuntime, DeviceLimit
 
     def config(budget=None, tokens=None):
         cfg = _config(model_8l, budget=budget or (1 << 30), tokens=tokens)
@@ -216,8 +214,7 @@ def test_refusal_names_each_component_of_the_device_limit(model_8l, flag):
             staging=512 << 20,
             headroom=150 << 20,
         )
-        runtime = cfg.additional_config.setdefault(RUNTIME_KEY, {})
-        runtime["device_limits"] = [asdict(tight), asdict(DeviceLimit(free=BIG))]
+        BudgetRuntime(device_limits=[tight, DeviceLimit(free=BIG)]).store(cfg)
         limits = [tight.kv_bytes, BIG]  # 344 MiB on rank 0
         return cfg, limits
 

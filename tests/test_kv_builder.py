@@ -160,6 +160,7 @@ def test_on_vllm_032_the_executor_plans_nothing(model_8l, caplog):
 
     from tests.helpers import planner_config, worker_specs
     from vllm_kvmem import vllm_adapter as va
+    from vllm_kvmem.budget.runtime import BudgetRuntime
     from vllm_kvmem.patches import ALL_PATCHES
 
     assert not va.plans_through_builder()
@@ -171,5 +172,5 @@ def test_on_vllm_032_the_executor_plans_nothing(model_8l, caplog):
     record = next(p for p in ALL_PATCHES if p.name == "executor_device_limits")
     with caplog.at_level(logging.INFO):
         record.make_replacement(lambda self: [BIG, BIG])(executor)
-    assert "kv_plan" not in cfg.additional_config.get("kvmem_runtime", {})
+    assert BudgetRuntime.from_vllm_config(cfg).plan is None
     assert ku.get_kv_cache_configs(cfg, specs, [BIG, BIG])[0].num_blocks > 1

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 
 from vllm_kvmem import planner
-from vllm_kvmem.core import kv_math as km
+from vllm_kvmem.budget.token_blocks import blocks_for_tokens
 from vllm_kvmem.core import units
 from vllm_kvmem.core.units import GiB, KiB, MiB, cdiv
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.tiny_model import build_tiny_model
 
 QWEN3_32B = {
@@ -445,14 +446,14 @@ def test_token_budget_is_the_null_block_and_the_fewest_blocks_vllm_counts_enough
         return km.vllm_capacity(blocks, bpr, max_len)[0]
 
     for tokens in (1, 999, 1000, 1001, 40_000, 123_457):
-        b = km.blocks_for_tokens(tokens, logged)
+        b = blocks_for_tokens(tokens, logged)
         assert logged(b - 1) >= tokens  # usable: all but the null block
         assert b == 2 or logged(b - 2) < tokens
         # A guess on either side of the answer finds the same count.
-        assert km.blocks_for_tokens(tokens, logged, guess=b + 17) == b
-        assert km.blocks_for_tokens(tokens, logged, guess=max(1, b // 3)) == b
+        assert blocks_for_tokens(tokens, logged, guess=b + 17) == b
+        assert blocks_for_tokens(tokens, logged, guess=max(1, b // 3)) == b
     # The least that starts is one more token than bpr blocks log.
-    assert km.blocks_for_tokens(km.min_tokens(bpr, max_len), logged) == bpr + 1
+    assert blocks_for_tokens(km.min_tokens(bpr, max_len), logged) == bpr + 1
 
 
 def test_target_concurrency_budget_both_ways(llama: Path) -> None:

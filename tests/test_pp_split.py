@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvmem.core import pp_split
+from vllm_kvmem.budget import pp_split
 from vllm_kvmem.core.units import GiB, flag_size, gib
 
 

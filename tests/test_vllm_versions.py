@@ -95,7 +95,7 @@ PLANNING_033 = "vllm.v1.core.kv_cache_planning"
 def test_our_builder_has_the_0_33_interface(wheel_033):
     """Every method of 0.33's ``KVCacheConfigBuilder`` (the abstract ones and
     the pool-bytes hook vLLM calls), with the same parameters."""
-    from vllm_kvmem.kv_builder import KVMemKVCacheConfigBuilder
+    from vllm_kvmem.budget.kv_builder import KVMemKVCacheConfigBuilder
 
     for method in (
         "get_kv_cache_groups",

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_kvmem import kv_budget, vllm_adapter
-from vllm_kvmem.device_limits import DeviceLimit
+from vllm_kvmem import vllm_adapter
+from vllm_kvmem.budget import kv_budget
+from vllm_kvmem.budget.runtime import DeviceLimit
 
 
 def _worker(device, budget=1 << 30):
@@ -100,7 +101,7 @@ def _on_a_gpu_platform(monkeypatch):
 def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     model_8l, monkeypatch
 ):
-    from vllm_kvmem import device_limits
+    from vllm_kvmem.budget import device_limits
     from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
 
     headroom = device_limits.GPU_HEADROOM_BYTES
@@ -138,7 +139,7 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
 def test_gpu_limit_without_graphs_or_tier_is_free_memory(model_8l, monkeypatch):
     from vllm.config import CUDAGraphMode
 
-    from vllm_kvmem import device_limits
+    from vllm_kvmem.budget import device_limits
 
     cfg = _vllm_config(model_8l, kv_cache_tokens=4096)
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE  # enforce_eager
@@ -155,7 +156,7 @@ def test_token_budget_with_multimodal_ipc_reservation_starts(model_8l, monkeypat
     reservation off instead."""
     from vllm.config.multimodal import MultiModalConfig
 
-    from vllm_kvmem import device_limits
+    from vllm_kvmem.budget import device_limits
 
     cfg = _vllm_config(model_8l, kv_cache_tokens=4096)
     cfg.model_config.multimodal_config = MultiModalConfig(mm_ipc_gpu_memory_gb=0.25)

@@ -1,5 +1,6 @@
-"""The vLLM-free core: arithmetic and data structures over ints and tensors.
+"""What several features share, vLLM-free: byte sizes, the one text table,
+fixed pseudo-random numbers and percentiles.
 
-Nothing under this package imports vLLM, so it can be unit-tested in
-milliseconds and reused by the offline planner.
+Nothing under this package imports vLLM, so ``kvmem plan``, the demo and the
+benchmarks use it where vLLM is not installed.
 """

@@ -33,8 +33,8 @@ IDLE = (
 
 def make_replacement(original):
     def determine_available_memory(self):
-        from vllm_kvmem import device_limits
-        from vllm_kvmem.kv_budget import report_device_limit, uses_device_limits
+        from vllm_kvmem.budget import device_limits
+        from vllm_kvmem.budget.kv_budget import report_device_limit, uses_device_limits
 
         if not uses_device_limits(self.vllm_config):
             return original(self)

@@ -15,10 +15,10 @@ def _make(original):
         from vllm_kvmem.config import check_options
 
         check_options(config)
-        from vllm_kvmem import token_budget
+        from vllm_kvmem.budget import token_budget
 
         token_budget.check_budget_flags(config)
-        from vllm_kvmem import pp_prop
+        from vllm_kvmem.budget import pp_prop
 
         pp_prop.check_flags(config)
         token_budget.set_tokens_placeholder(config)

@@ -8,16 +8,16 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 def _make(original):
     def determine_available_memory(self):
         limits = original(self)
-        from vllm_kvmem.kv_budget import uses_device_limits
+        from vllm_kvmem.budget.kv_budget import uses_device_limits
 
         if uses_device_limits(self.vllm_config):
-            from vllm_kvmem import kv_builder
             from vllm_kvmem import vllm_adapter as va
-            from vllm_kvmem.device_limits import collect_from_workers
+            from vllm_kvmem.budget import kv_builder
+            from vllm_kvmem.budget.device_limits import collect_from_workers
 
             collect_from_workers(self)
             if va.plans_through_builder():
-                from vllm_kvmem.kv_budget import stash_plan
+                from vllm_kvmem.budget.kv_budget import stash_plan
 
                 kv_builder.check_selected(self.vllm_config)
                 specs = self.get_kv_cache_specs()
@@ -46,7 +46,7 @@ PATCH = Patch(
     how="After vLLM's own call, only when the engine sizes the KV cache "
     "(`--enable-pp-prop-kv-cache` or `--kv-cache-tokens`), asks every worker "
     "(`collective_rpc`) for the components it measured and keeps them in the "
-    "engine core's `additional_config['kvmem_runtime']` for the planner's "
+    "engine core's config (`budget.runtime.BudgetRuntime`) for the planner's "
     "error messages. On vLLM 0.33, whose planner takes its block counts from a "
     "`KVCacheConfigBuilder`, then plans the budget there from every worker's "
     "KV specs and these limits (`kv_budget.stash_plan`: the same shares, "

@@ -8,7 +8,7 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def get_kv_cache_config_builder_cls(cls, vllm_config):
-        from vllm_kvmem.kv_builder import select_builder
+        from vllm_kvmem.budget.kv_builder import select_builder
 
         return select_builder(original, cls, vllm_config)
 
@@ -30,8 +30,9 @@ PATCH = Patch(
     "apply without choosing the block count.",
     how="Only while `--enable-pp-prop-kv-cache` (with a budget and pipeline "
     "size > 1) or `--kv-cache-tokens` sizes the cache, names "
-    "`vllm_kvmem.kv_builder.KVMemKVCacheConfigBuilder`. That builder asks the "
-    "builder the platform itself names for groups, bytes per block and configs, "
+    "`vllm_kvmem.budget.kv_builder.KVMemKVCacheConfigBuilder`. That builder "
+    "asks the builder the platform itself names for groups, bytes per block "
+    "and configs, "
     "and only caps the block count at the engine core's plan "
     "(`kv_budget.stash_plan`, the same arithmetic and errors as on 0.32); "
     "outside the engine core's planning (profiling, workers) it passes vLLM's "

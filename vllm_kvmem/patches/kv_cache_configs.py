@@ -7,7 +7,7 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory):
-        from vllm_kvmem.kv_budget import plan_kv_cache_configs
+        from vllm_kvmem.budget.kv_budget import plan_kv_cache_configs
 
         configs = plan_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory

@@ -12,7 +12,7 @@ def _make(original):
 
         size_host_tier(self.vllm_config, kv_cache_configs)
         original(self, kv_cache_configs)
-        from vllm_kvmem.pp_prop import log_rank_share
+        from vllm_kvmem.budget.pp_prop import log_rank_share
 
         log_rank_share(self.vllm_config, kv_cache_configs, self.global_rank)
 

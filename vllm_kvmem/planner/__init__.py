@@ -2,7 +2,7 @@
 
 Works offline from a local model directory: ``config.json`` for the layer
 shapes and the safetensors headers (never the tensor data) for the weight
-bytes per layer. The arithmetic is :mod:`vllm_kvmem.core.kv_math`, which
+bytes per layer. The arithmetic is :mod:`vllm_kvmem.planner.kv_math`, which
 mirrors vLLM 0.32.0; this package reads models (``model``, ``weights``),
 resolves the engine options (``setup``), assembles plans (``costs``,
 ``plans``, ``partition``) and prints them (``report``, ``cli``). Nothing here

@@ -6,8 +6,8 @@ import argparse
 import json
 import os
 
-from vllm_kvmem.core import kv_math as km
 from vllm_kvmem.core.units import parse_positive_size
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.partition import DEFAULT_RESERVE
 from vllm_kvmem.planner.plans import plan
 from vllm_kvmem.planner.report import format_plan, plan_to_dict

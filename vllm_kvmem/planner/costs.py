@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_kvmem.core import kv_math as km
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.model import ModelInfo
 from vllm_kvmem.planner.setup import Setup
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vllm_kvmem.core import kv_math as km
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.weights import WeightInfo, read_weights
 
 # Architectures whose KV caches the planner sizes, by the layer kinds they use.

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm_kvmem.core import kv_math as km
 from vllm_kvmem.core.units import parse_positive_size, parse_size
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.costs import KVCosts
 from vllm_kvmem.planner.model import ModelInfo, as_model
 from vllm_kvmem.planner.setup import Options, Setup, resolve_setup

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vllm_kvmem.core import kv_math as km
 from vllm_kvmem.core.units import flag_size, format_bytes, parse_positive_size
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.costs import KindRow, KVCosts, StageRow
 from vllm_kvmem.planner.model import ModelInfo, as_model
 from vllm_kvmem.planner.partition import (

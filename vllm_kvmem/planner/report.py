@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from vllm_kvmem.core import kv_math as km
 from vllm_kvmem.core.table import render_table
 from vllm_kvmem.core.units import flag_size, format_bytes, gib
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.model import NOT_SUPPORTED_NOTE
 from vllm_kvmem.planner.partition import Recommendation, as_csv
 from vllm_kvmem.planner.plans import Plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_kvmem.core import kv_math as km
+from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.model import ModelInfo
 
 PLATFORMS = ("cuda", "cpu")

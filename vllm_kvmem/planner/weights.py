@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvmem.core import kv_math as km
+from vllm_kvmem.planner import kv_math as km
 
 if TYPE_CHECKING:
     from vllm_kvmem.planner.model import ModelInfo

@@ -10,8 +10,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kvmem import pp_prop
 from vllm_kvmem import vllm_adapter as va
+from vllm_kvmem.budget import pp_prop
 from vllm_kvmem.core.table import BAR, render_table
 from vllm_kvmem.core.units import gib
 

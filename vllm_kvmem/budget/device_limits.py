@@ -29,62 +29,17 @@ collects them (``collect_from_workers``) so that its errors can name them.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kvmem.core.units import gib, mib
+from vllm_kvmem.budget.runtime import BudgetRuntime, DeviceLimit
+from vllm_kvmem.core.units import gib
 
 logger = init_logger("vllm.kvmem.device_limits")
 
-RUNTIME_KEY = "kvmem_runtime"
 _WORKER_ATTR = "_kvmem_device_limit"
-
-
-@dataclass(frozen=True)
-class DeviceLimit:
-    """One worker's KV limit and what it is made of (bytes)."""
-
-    free: int
-    """Free device memory after the profile run (CPU: the NUMA node's available
-    memory)."""
-    mm_reserved: int = 0
-    """vLLM's reservation for frontend multimodal GPU work."""
-    cuda_graphs: int = 0
-    """vLLM's estimate of the CUDA graph memory captured after the KV cache."""
-    staging: int = 0
-    """The host tier copy engine's staging buffers: its cap per copy stream."""
-    pp_buffers: int = 0
-    """The pipeline receive buffers of a stage after the first."""
-    headroom: int = 0
-    """Kept free on GPUs, as vLLM's own budget suggestion does."""
-
-    @property
-    def kv_bytes(self) -> int:
-        taken = (
-            self.mm_reserved
-            + self.cuda_graphs
-            + self.staging
-            + self.pp_buffers
-            + self.headroom
-        )
-        return max(0, self.free - taken)
-
-    def describe(self) -> str:
-        """``X MiB free after loading the model, less ... = Y MiB``."""
-        text = f"{mib(self.free)} free after loading the model"
-        less = [
-            (self.mm_reserved, "vLLM's multimodal IPC reservation"),
-            (self.cuda_graphs, "vLLM's CUDA graph estimate"),
-            (self.staging, "the host KV tier's staging buffers"),
-            (self.pp_buffers, "pipeline receive buffers"),
-            (self.headroom, "headroom"),
-        ]
-        parts = [f"less {mib(n)} for {what}" for n, what in less if n]
-        if not parts:
-            return text
-        return f"{text}, {', '.join(parts)}: {mib(self.kv_bytes)}"
 
 
 # ------------------------------------------------------------------- workers
@@ -210,29 +165,19 @@ def collect_from_workers(executor: Any) -> None:
     """Store every worker's components where the engine core's planner finds
     them (the engine core's own ``VllmConfig``)."""
     parts = executor.collective_rpc(_limit_of)
-    runtime = executor.vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
-    runtime["device_limits"] = parts
+    runtime = BudgetRuntime.from_vllm_config(executor.vllm_config)
+    limits = [DeviceLimit(**p) if p else None for p in parts]
+    replace(runtime, device_limits=limits).store(executor.vllm_config)
     logger.info(
         "KV cache limit per rank: %s.",
         "; ".join(
-            f"rank {r}: {DeviceLimit(**p).describe()}" if p else f"rank {r}: n/a"
-            for r, p in enumerate(parts)
+            f"rank {r}: {d.describe()}" if d else f"rank {r}: n/a"
+            for r, d in enumerate(limits)
         ),
     )
 
 
 def limits_for(vllm_config: Any, available_memory: list[int]) -> list[DeviceLimit]:
-    """Each worker's limit with its components; a worker that reported none
-    (or an executor that reduced the list) counts as plain free memory."""
-    runtime = (vllm_config.additional_config or {}).get(RUNTIME_KEY, {})
-    parts = runtime.get("device_limits") or []
-    out = []
-    for rank, available in enumerate(available_memory):
-        p = parts[rank] if rank < len(parts) else None
-        limit = DeviceLimit(**p) if p else None
-        out.append(
-            limit
-            if limit is not None and limit.kv_bytes == available
-            else DeviceLimit(free=available)
-        )
-    return out
+    """Each worker's limit with its components, as the engine core collected
+    them (:meth:`BudgetRuntime.limits_for`)."""
+    return BudgetRuntime.from_vllm_config(vllm_config).limits_for(available_memory)

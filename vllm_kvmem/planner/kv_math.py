@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
 
-from vllm_kvmem.core import pp_split
+from vllm_kvmem.budget import pp_split
+from vllm_kvmem.budget.token_blocks import blocks_for_tokens
 from vllm_kvmem.core.units import cdiv, format_bytes
 
 # ----------------------------------------------------------------- dtypes
@@ -431,31 +432,6 @@ def vllm_capacity(
     """
     concurrency = num_blocks / blocks_per_request
     return int(concurrency * max_model_len), concurrency
-
-
-def blocks_for_tokens(
-    tokens: int, capacity: Callable[[int], int], *, guess: int = 1
-) -> int:
-    """Blocks a ``--kv-cache-tokens`` budget buys: vLLM's null block plus the
-    fewest blocks whose capacity, as vLLM counts it (``capacity(blocks)``,
-    never falling as blocks grow), is at least ``tokens``. So the tokens
-    asked for are all usable: the scheduler never hands out the null block.
-
-    The planner passes :func:`vllm_capacity` and a close ``guess``; the engine
-    passes vLLM's own ``get_kv_cache_capacity`` over its KV cache groups.
-    """
-    if tokens <= 0:
-        raise ValueError(f"--kv-cache-tokens={tokens}: must be positive, e.g. 400000")
-    lo, hi = 1, max(1, guess)
-    while capacity(hi) < tokens:
-        lo, hi = hi + 1, hi * 2
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if capacity(mid) >= tokens:
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi + 1
 
 
 def min_tokens(blocks_per_request: int, max_model_len: int) -> int:

@@ -22,13 +22,20 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvmem import vllm_adapter as va
+from vllm_kvmem.budget.device_limits import limits_for
+from vllm_kvmem.budget.pp_prop import BUDGET_FLAG
+from vllm_kvmem.budget.token_blocks import blocks_for_tokens
 from vllm_kvmem.config import KVMemConfig
-from vllm_kvmem.core import kv_math
 from vllm_kvmem.core.units import mib
-from vllm_kvmem.device_limits import limits_for
-from vllm_kvmem.kv_budget import BUDGET_FLAG, TOKENS_FLAG, TOKENS_PLACEHOLDER_BYTES
 
 logger = init_logger("vllm.kvmem.token_budget")
+
+TOKENS_FLAG = KVMemConfig.flag("kv_cache_tokens")
+
+# A token budget has no byte figure until the engine sees the KV specs. Until
+# then vLLM's explicit-budget path runs with this placeholder (no profiling, and
+# the CPU worker's startup memory check is skipped); our patches replace it.
+TOKENS_PLACEHOLDER_BYTES = 1
 
 
 def check_budget_flags(vllm_config: Any) -> None:
@@ -67,7 +74,7 @@ def token_budget_memory(
     # All ranks share one block table, so one block count; the largest count any
     # rank's groups need (they agree unless a stage lacks a group) wins.
     blocks = max(
-        kv_math.blocks_for_tokens(tokens, partial(va.tokens_in, vllm_config, g))
+        blocks_for_tokens(tokens, partial(va.tokens_in, vllm_config, g))
         for g in groups
         if g
     )

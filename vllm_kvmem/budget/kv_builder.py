@@ -21,7 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_kvmem import vllm_adapter as va
-from vllm_kvmem.kv_budget import BUDGET_FLAG, TOKENS_FLAG, planned_blocks
+from vllm_kvmem.budget.kv_budget import planned_blocks, uses_device_limits
+from vllm_kvmem.budget.pp_prop import BUDGET_FLAG
+from vllm_kvmem.budget.token_budget import TOKENS_FLAG
 
 try:
     from vllm.v1.core.kv_cache_config_builder import (
@@ -31,15 +33,13 @@ except ImportError:  # vLLM 0.32 has no builder interface and never selects one
     _BuilderBase = object  # type: ignore[assignment,misc]
 
 #: What the patched platform hook names while a budget mode is on.
-QUALNAME = "vllm_kvmem.kv_builder.KVMemKVCacheConfigBuilder"
+QUALNAME = "vllm_kvmem.budget.kv_builder.KVMemKVCacheConfigBuilder"
 
 
 def select_builder(original: Callable[..., str], cls: Any, vllm_config: Any) -> str:
     """The platform hook (``Platform.get_kv_cache_config_builder_cls``) with
     vllm-kvmem: its builder while a budget mode sizes the cache, else the
     platform's own choice, unchanged."""
-    from vllm_kvmem.kv_budget import uses_device_limits
-
     chosen = original(cls, vllm_config)
     return QUALNAME if uses_device_limits(vllm_config) else chosen
 

@@ -16,25 +16,24 @@ The token budget (``token_budget``) is one more mode of the same plan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_kvmem import pp_prop
+from vllm_kvmem.budget import pp_prop
+from vllm_kvmem.budget.capacity_table import log_startup_report
+from vllm_kvmem.budget.pp_prop import BUDGET_FLAG
+from vllm_kvmem.budget.runtime import BudgetPlan, BudgetRuntime, DeviceLimit
+from vllm_kvmem.budget.token_budget import (
+    TOKENS_FLAG,
+    TOKENS_PLACEHOLDER_BYTES,
+    token_budget_memory,
+)
 from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core.units import gib
-from vllm_kvmem.device_limits import RUNTIME_KEY, DeviceLimit
 
 logger = init_logger("vllm.kvmem.kv_budget")
-
-TOKENS_FLAG = KVMemConfig.flag("kv_cache_tokens")
-BUDGET_FLAG = pp_prop.BUDGET_FLAG
-
-# A token budget has no byte figure until the engine sees the KV specs. Until
-# then vLLM's explicit-budget path runs with this placeholder (no profiling, and
-# the CPU worker's startup memory check is skipped); our patches replace it.
-TOKENS_PLACEHOLDER_BYTES = 1
 
 
 # ------------------------------------------------------------ workers
@@ -72,20 +71,6 @@ def report_device_limit(worker: Any, limit: DeviceLimit) -> int:
 # ------------------------------------------------------------ engine core
 
 
-@dataclass(frozen=True)
-class BudgetPlan:
-    """What the engine's budget mode decides before vLLM builds the configs."""
-
-    title: str
-    """The startup table's title: which budget sized the cache."""
-    blocks: int | None = None
-    """The block count every rank gets; None: vLLM's own count."""
-    memory: list[int] | None = None
-    """Per-rank bytes for vLLM's planner (``blocks`` of each rank's groups)."""
-    shares: list[int] | None = None
-    """Per-rank shares of a pipeline-wide budget (the table's extra columns)."""
-
-
 def plan_budget(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, Any]],
@@ -95,8 +80,6 @@ def plan_budget(
     limit (``available_memory``) and against one max_model_len sequence."""
     cfg = KVMemConfig.from_vllm_config(vllm_config)
     if (tokens := cfg.kv_cache_tokens) is not None:
-        from vllm_kvmem.token_budget import token_budget_memory
-
         blocks, memory = token_budget_memory(
             vllm_config, kv_cache_specs, available_memory, tokens
         )
@@ -138,15 +121,11 @@ def plan_kv_cache_configs(
         return original(vllm_config, kv_cache_specs, available_memory)
     plan = plan_budget(vllm_config, kv_cache_specs, available_memory)
     configs = original(vllm_config, kv_cache_specs, plan.memory or available_memory)
-    from vllm_kvmem.capacity_table import log_startup_report
-
     log_startup_report(vllm_config, configs, plan.title, plan.shares)
     return configs
 
 
 # ------------------------------------------- engine core, vLLM 0.33 (builder)
-
-_PLAN_KEY = "kv_plan"
 
 
 def stash_plan(
@@ -155,13 +134,13 @@ def stash_plan(
     """vLLM 0.33: plan the budget where the engine core has every worker's
     specs and limits (after they are measured, before vLLM plans), for
     vllm-kvmem's ``KVCacheConfigBuilder`` to apply (changes ``vllm_config``'s
-    ``additional_config``). The same checks and errors as on 0.32. Returns
-    each rank's planned bytes, for vLLM's planner to plan from as on 0.32
-    (``--max-model-len auto`` is then fitted to the budget), or None where
-    vLLM's own figures stand."""
+    ``additional_config``: :class:`BudgetRuntime`). The same checks and
+    errors as on 0.32. Returns each rank's planned bytes, for vLLM's planner
+    to plan from as on 0.32 (``--max-model-len auto`` is then fitted to the
+    budget), or None where vLLM's own figures stand."""
     plan = plan_budget(vllm_config, kv_cache_specs, limits)
-    runtime = vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
-    runtime[_PLAN_KEY] = asdict(plan)
+    runtime = BudgetRuntime.from_vllm_config(vllm_config)
+    replace(runtime, plan=plan).store(vllm_config)
     return plan.memory
 
 
@@ -169,24 +148,22 @@ def planned_blocks(vllm_config: Any, num_blocks: int) -> int:
     """The block count vllm-kvmem's builder gives for vLLM's ``num_blocks``: the
     plan's, never more than vLLM's (what the device holds), and vLLM's own
     outside the engine core's planning (profiling, workers)."""
-    runtime = (vllm_config.additional_config or {}).get(RUNTIME_KEY, {})
-    plan = runtime.get(_PLAN_KEY)
-    if plan is None or plan["blocks"] is None:
+    plan = BudgetRuntime.from_vllm_config(vllm_config).plan
+    if plan is None or plan.blocks is None:
         return num_blocks
-    return min(num_blocks, plan["blocks"])
+    return min(num_blocks, plan.blocks)
 
 
 def configs_ready(vllm_config: Any, kv_cache_configs: list[Any]) -> BudgetPlan:
     """vLLM 0.33: the engine core's configs are final; end the plan (later
     builder calls get vLLM's own block counts), log the startup table and
     return the plan that was applied."""
-    runtime = (vllm_config.additional_config or {}).get(RUNTIME_KEY, {})
-    stashed = runtime.pop(_PLAN_KEY, None)
-    plan = (
-        BudgetPlan(**stashed) if stashed else BudgetPlan(_vllm_sized_title(vllm_config))
-    )
+    runtime = BudgetRuntime.from_vllm_config(vllm_config)
+    plan = runtime.plan
+    if plan is None:
+        plan = BudgetPlan(_vllm_sized_title(vllm_config))
+    else:
+        replace(runtime, plan=None).store(vllm_config)
     if any(c.kv_cache_groups for c in kv_cache_configs):
-        from vllm_kvmem.capacity_table import log_startup_report
-
         log_startup_report(vllm_config, kv_cache_configs, plan.title, plan.shares)
     return plan

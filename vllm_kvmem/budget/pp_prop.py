@@ -1,7 +1,7 @@
 """`--enable-pp-prop-kv-cache`: one pipeline-wide KV budget, split by KV bytes.
 
 The integration half of the feature (the arithmetic is in
-``vllm_kvmem.core.pp_split``; vLLM's figures come from
+``pp_split``; vLLM's figures come from
 ``vllm_kvmem.vllm_adapter``). It runs in three places:
 
 * API server: :func:`check_flags` checks the flags at startup.
@@ -9,7 +9,7 @@ The integration half of the feature (the arithmetic is in
   worker reports to the engine is ``kv_budget.report_device_limit``).
 * Engine core: :func:`proportional_shares` turns the budget into per-worker
   shares from the KV specs the workers report; vLLM's own planner builds the
-  per-worker configs from those shares (``vllm_kvmem.kv_budget``).
+  per-worker configs from those shares (``kv_budget``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvmem import vllm_adapter as va
+from vllm_kvmem.budget import pp_split
+from vllm_kvmem.budget.device_limits import limits_for
+from vllm_kvmem.budget.runtime import DeviceLimit
 from vllm_kvmem.config import KVMemConfig
-from vllm_kvmem.core import pp_split
 from vllm_kvmem.core.units import flag_size, gib, mib
-from vllm_kvmem.device_limits import DeviceLimit, limits_for
 
 logger = init_logger("vllm.kvmem.pp_prop")
 
@@ -99,7 +100,7 @@ def proportional_shares(
 
     ``available_memory`` holds what each worker's device can hold (reported by
     the worker patch); the shares replace it in vLLM's planner (0.32), or cap
-    the builder's block count (0.33, ``vllm_kvmem.kv_builder``).
+    the builder's block count (0.33, ``kv_builder``).
     """
     if vllm_config.cache_config.num_gpu_blocks_override is not None:
         logger.warning(
