@@ -13,12 +13,9 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from vllm_kvmem.planner import kv_math as km
-
-if TYPE_CHECKING:
-    from vllm_kvmem.planner.model import ModelInfo
 
 _SAFETENSORS_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _SAFETENSORS_BYTES = {
@@ -124,7 +121,28 @@ def _classify(name: str, n: int) -> str | int:
     return "other"
 
 
-def read_weights(path: Path, cfg: dict[str, Any], info: ModelInfo) -> WeightInfo:
+class ModelShape(Protocol):
+    """The shape of a model that its weight bytes follow: what
+    ``model.ModelInfo`` hands :func:`read_weights` (a protocol, because
+    ``model`` imports this module)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def mla_dims(self) -> tuple[int, int] | None: ...
+
+
+def read_weights(path: Path, cfg: dict[str, Any], info: ModelShape) -> WeightInfo:
     """Weight bytes per layer from safetensors headers, else an estimate."""
     n = info.num_layers
     quantized = "quantization_config" in cfg
@@ -172,7 +190,7 @@ def _weight_files(path: Path) -> tuple[list[Path] | None, dict[str, Any] | None]
 
 
 def _estimate_weights(
-    cfg: dict[str, Any], info: ModelInfo, index: dict[str, Any] | None, tied: bool
+    cfg: dict[str, Any], info: ModelShape, index: dict[str, Any] | None, tied: bool
 ) -> WeightInfo:
     """Per-layer weights when the safetensors shards are not in the directory.
 
