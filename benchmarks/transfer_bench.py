@@ -1,7 +1,7 @@
 """KV block transfer benchmark: contiguous vs per-layer layouts.
 
 Measures device->host (save) and host->device (load) bandwidth of
-``vllm_kvmem.core.copy_engine.BlockCopyEngine`` for
+``vllm_kvmem.host_tier.copy_engine.BlockCopyEngine`` for
 
 * two KV layouts, built with the byte arithmetic of vLLM 0.32's
   ``get_kv_cache_config_from_groups`` (the engine tests prove the same engine
@@ -60,14 +60,14 @@ from _report import finish, print_rows, print_targets, provenance, versions, wri
 from tqdm import tqdm  # noqa: E402
 
 try:
-    from vllm_kvmem.core.copy_engine import (  # noqa: E402
+    from vllm_kvmem.host_tier.copy_engine import (  # noqa: E402
         BlockCopyEngine,
         HostBlockPool,
         KVRegion,
     )
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from vllm_kvmem.core.copy_engine import (  # noqa: E402
+    from vllm_kvmem.host_tier.copy_engine import (  # noqa: E402
         BlockCopyEngine,
         HostBlockPool,
         KVRegion,

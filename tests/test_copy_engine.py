@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.copy_checks import CASES, round_trip
-from vllm_kvmem.core.copy_engine import (
+from vllm_kvmem.host_tier.copy_engine import (
     BlockCopyEngine,
     HostBlockPool,
     KVRegion,
@@ -247,7 +247,7 @@ def test_region_validation():
 
 
 def test_engine_close_releases_its_pool_and_refuses_copies():
-    from vllm_kvmem.core.host_pool import live_pools
+    from vllm_kvmem.host_tier.host_pool import live_pools
 
     engine = make_engine(vllm_cache(BLHNC, [64] * 2), num_slots=8)
     pool = engine.pool
@@ -266,7 +266,7 @@ def test_failure_part_way_raises_copy_error_with_a_job(layout, direction, monkey
     """A copy that fails while the job's copies are being issued raises
     CopyError naming the direction, with a job marked failed (on CPU the
     copies issued before it are complete, so there is nothing left to track)."""
-    from vllm_kvmem.core.copy_engine import CopyError
+    from vllm_kvmem.host_tier.copy_engine import CopyError
 
     engine = make_engine(vllm_cache(layout, [64] * 2), num_slots=8)
     calls = []

@@ -42,15 +42,15 @@ import pytest
 import torch
 
 from tests.copy_checks import CASES, random_bytes, round_trip
-from vllm_kvmem.core.copy_engine import (
+from vllm_kvmem.host_tier.copy_engine import (
     BlockCopyEngine,
     CopyJob,
     HostBlockPool,
     KVRegion,
     host_slot_bytes,
 )
-from vllm_kvmem.core.host_pool import TORCH_CUDART_BINDINGS
-from vllm_kvmem.core.wait_timer import StreamWaitTimer
+from vllm_kvmem.host_tier.host_pool import TORCH_CUDART_BINDINGS
+from vllm_kvmem.host_tier.wait_timer import StreamWaitTimer
 
 CUDA = torch.cuda.is_available()
 DEVICES = [

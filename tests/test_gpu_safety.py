@@ -170,6 +170,16 @@ sys.meta_path.insert(0, _NoVllm())
 """
 
 
+#: The host tier's modules that import no vLLM (its copies, pool and index).
+HOST_TIER_VLLM_FREE = (
+    "host_index",
+    "kv_region",
+    "host_pool",
+    "copy_engine",
+    "wait_timer",
+)
+
+
 def test_core_and_kvmem_plan_work_without_vllm(model_6l):
     code = (
         BLOCK_VLLM
@@ -179,6 +189,8 @@ import vllm_kvmem
 import vllm_kvmem.core
 core = sorted(m.name for m in pkgutil.walk_packages(
     vllm_kvmem.core.__path__, "vllm_kvmem.core."))
+core += [f"vllm_kvmem.host_tier.{{m}}" for m in {HOST_TIER_VLLM_FREE!r}]
+core += ["vllm_kvmem.budget.pp_split", "vllm_kvmem.budget.token_blocks"]
 for name in core:
     importlib.import_module(name)
 try:
@@ -199,7 +211,7 @@ print("REPORT " + json.dumps(dict(
     report = _run(code)
     assert report["blocked"] is True
     assert report["vllm_loaded"] == []
-    assert "vllm_kvmem.core.copy_engine" in report["core"]
+    assert "vllm_kvmem.host_tier.copy_engine" in report["core"]
     assert report["rc"] == 0
     # A real plan, computed without vLLM, from model_6l's shape: 6 layers of
     # K and V, 4 KV heads of 32, fp16.

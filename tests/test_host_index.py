@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvmem.core.host_index import HostBlockIndex
+from vllm_kvmem.host_tier.host_index import HostBlockIndex
 
 
 def test_prefix_match_stops_at_the_first_miss():

@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from tests.helpers import captured_log
-from vllm_kvmem.core import host_pool
-from vllm_kvmem.core.copy_engine import BlockCopyEngine, KVRegion
-from vllm_kvmem.core.host_pool import (
+from vllm_kvmem.host_tier import host_pool
+from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine, KVRegion
+from vllm_kvmem.host_tier.host_pool import (
     TORCH_CUDART_BINDINGS,
     HostBlockPool,
     registration_bytes,
@@ -331,7 +331,7 @@ def test_no_copy_crosses_a_registration(runtime, monkeypatch, slot_bytes, layers
 
 
 def test_release_unpins_every_chunk_once_and_frees(runtime):
-    from vllm_kvmem.core.host_pool import live_pools
+    from vllm_kvmem.host_tier.host_pool import live_pools
 
     pool = _pool(runtime, 12, PAGE)
     chunks = [a for a, _ in runtime.registered]
@@ -347,7 +347,7 @@ def test_release_unpins_every_chunk_once_and_frees(runtime):
 
 
 def test_collected_pool_is_unpinned_by_its_finalizer(runtime):
-    from vllm_kvmem.core.host_pool import live_pools
+    from vllm_kvmem.host_tier.host_pool import live_pools
 
     before = len(live_pools())
     pool = _pool(runtime, 8, PAGE)
@@ -386,7 +386,7 @@ def test_background_prefault_never_overwrites_what_copies_wrote():
     """The pool is usable at once: bytes written while the background
     pre-fault runs survive it (a pre-fault that wrote zeros to each page
     raced with the first saves and corrupted them)."""
-    from vllm_kvmem.core.host_pool import MADV_POPULATE_WRITE, _populate_write
+    from vllm_kvmem.host_tier.host_pool import MADV_POPULATE_WRITE, _populate_write
 
     assert MADV_POPULATE_WRITE == 23
     pool = HostBlockPool(256, 1 << 20, pin_memory=False)

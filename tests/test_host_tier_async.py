@@ -238,3 +238,37 @@ def test_abort_while_loads_are_queued_releases_everything(
     assert sum(sum(len(c.blocks) for c in m.loads) for m in metas) == 1
     out = llm.generate([docs[0]], _params(4), use_tqdm=False)[0]
     assert out.num_cached_tokens == 7 * 128
+
+
+def test_shadow_sees_every_eviction_of_a_free_cached_block(
+    model_8l, in_process, monkeypatch
+):
+    """The tier learns of evictions from vLLM's block pool alone (a shadow of
+    the free queue's head, bind_gpu_block_pool): every free cached block vLLM
+    hands to another request, as a spy on BlockPool._maybe_evict_cached_block
+    sees it, reaches the tier once, with the hash it held."""
+    llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=BLOCK_BYTES)
+    pool = sched.kv_cache_manager.block_pool
+    evicted, told = [], []
+    evict = pool._maybe_evict_cached_block
+
+    def spy(block):
+        if block.block_hash is not None and block.ref_cnt == 0:
+            evicted.append((block.block_id, block.block_hash))
+        return evict(block)
+
+    monkeypatch.setattr(pool, "_maybe_evict_cached_block", spy)
+    on_evicted = tier._on_evicted
+
+    def heard(block_id, key, covered):
+        told.append((block_id, key))
+        return on_evicted(block_id, key, covered)
+
+    monkeypatch.setattr(tier, "_on_evicted", heard)
+    docs = host_tier_workload()["prompts"]
+    llm.generate([docs[0]], _params(1), use_tqdm=False)
+    llm.generate([docs[1]], _params(2), use_tqdm=False)
+    llm.generate(docs[2:4], _params(1), use_tqdm=False)
+    llm.generate([docs[0]], _params(1), use_tqdm=False)
+    assert len(evicted) >= 8
+    assert told == evicted

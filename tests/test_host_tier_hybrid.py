@@ -26,13 +26,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from vllm_kvmem.config import KVMemConfig
-from vllm_kvmem.core.kv_region import PageGeometry, distinct_regions
-from vllm_kvmem.host_tier.scheduler import (
-    GroupWindow,
-    HostTierScheduler,
-    describe_groups,
-)
+from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.kv_region import PageGeometry, distinct_regions
+from vllm_kvmem.host_tier.scheduler import HostTierScheduler
+from vllm_kvmem.host_tier.support import GroupWindow, describe_groups
 
 BS = 4  # tokens per block
 
@@ -71,13 +68,12 @@ def _vllm_coordinator(windows=WINDOWS, num_blocks=512):
 
 def _tier(windows=WINDOWS, num_slots=512, step_bytes=1 << 30):
     return HostTierScheduler(
-        KVMemConfig(),
+        HostTierConfig(step_bytes=step_bytes),
         SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=64)),
         reason="",
         num_slots=num_slots,
         pipeline_slot_bytes=1,
         block_size=BS,
-        step_bytes=step_bytes,
         groups=tuple(GroupWindow(i, w) for i, w in enumerate(windows)),
     )
 

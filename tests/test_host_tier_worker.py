@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from vllm_kvmem.host_tier import (
+from vllm_kvmem.host_tier.connector import KVMemHostTierConnector
+from vllm_kvmem.host_tier.metadata import (
     HostTierMetadata,
-    HostTierWorker,
     HostTierWorkerMeta,
-    KVMemHostTierConnector,
     LoadChunk,
 )
+from vllm_kvmem.host_tier.worker import HostTierWorker
 
 
 @dataclass(eq=False)
@@ -63,7 +63,7 @@ class FakeEngine:
         self.partial = True
 
     def _submit(self, kind, blocks, slots, after):
-        from vllm_kvmem.core.copy_engine import CopyError
+        from vllm_kvmem.host_tier.copy_engine import CopyError
 
         job = FakeJob(kind, list(blocks), list(slots), list(after))
         if self.fail.pop(kind, False):
@@ -187,7 +187,11 @@ def test_worker_meta_takes_the_slowest_worker():
 def test_cpu_engine_jobs_are_done_on_return(worker, conn):
     import torch
 
-    from vllm_kvmem.core.copy_engine import BlockCopyEngine, HostBlockPool, KVRegion
+    from vllm_kvmem.host_tier.copy_engine import (
+        BlockCopyEngine,
+        HostBlockPool,
+        KVRegion,
+    )
 
     kv = torch.arange(16 * 2 * 64, dtype=torch.float32).view(16, 2, 64)
     region = KVRegion.from_views([kv[:, 0], kv[:, 1]])
@@ -216,7 +220,7 @@ def test_worker_connector_reports_stats_only_when_it_counted(worker, conn):
 
 
 def test_worker_stats_never_reset_the_scheduler_gauges():
-    from vllm_kvmem.host_tier import HostTierStats
+    from vllm_kvmem.host_tier.stats import HostTierStats
 
     scheduler, worker = HostTierStats(), HostTierStats()
     scheduler.reset()

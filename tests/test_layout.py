@@ -170,20 +170,6 @@ def test_unmet_request_gets_vllms_fallback_and_one_line(
     assert line.endswith(f"; using vLLM's {resolved} KV cache layout (per layer).")
 
 
-def test_transitional_mixin_is_vllms_request():
-    """The host tier's connector inherits the mixin until it defines
-    get_required_kvcache_layout() itself: the mixin is nothing else."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    from vllm_kvmem import layout
-
-    class Tier(layout.ContiguousKVLayoutMixin, KVConnectorBase_V1): ...
-
-    assert Tier.get_required_kvcache_layout(None) == "BLHNC"
-    assert not hasattr(layout, "prefers_contiguous_kv_layout")
-    assert not hasattr(layout.ContiguousKVLayoutMixin, "prefers_contiguous_kv_layout")
-
-
 def _set_layout_env(monkeypatch, value):
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", value)
     import vllm.envs as envs

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_kvmem import vllm_adapter as va
+from vllm_kvmem.host_tier.kv_region import config_slot_bytes
 
 PACKAGE = Path(va.__file__).resolve().parent
 
@@ -108,7 +109,7 @@ def test_pipeline_host_slot_bytes_counts_each_stage_once():
 
     # TP=2 x PP=2, stage 0 with 3 layers of 4 KiB pages, stage 1 with 1.
     configs = [config(4096, "a", "b", "c"), config(4096, "d")] * 2
-    assert va.host_slot_bytes(configs[0]) == 3 * 4096
+    assert config_slot_bytes(configs[0]) == 3 * 4096
     assert va.pipeline_host_slot_bytes(configs) == 4 * 4096
 
 
@@ -138,7 +139,7 @@ def test_host_slot_of_a_hybrid_model_is_one_physical_block(model_8l, layout):
     assert len(config.kv_cache_groups) == 4
     assert len(config.kv_cache_tensors) == 4  # one per group, overlaid
     assert config.num_blocks == 400
-    assert va.host_slot_bytes(config) == 2 * page
+    assert config_slot_bytes(config) == 2 * page
 
 
 def test_capacity_is_vllms(model_8l, vllm_patched):

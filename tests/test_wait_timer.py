@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvmem.core.wait_timer import StreamWaitTimer
+from vllm_kvmem.host_tier.wait_timer import StreamWaitTimer
 
 
 class Stream:

@@ -102,7 +102,7 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     model_8l, monkeypatch
 ):
     from vllm_kvmem.budget import device_limits
-    from vllm_kvmem.core.copy_engine import DEFAULT_MAX_STAGING_BYTES
+    from vllm_kvmem.host_tier.copy_engine import DEFAULT_MAX_STAGING_BYTES
 
     headroom = device_limits.GPU_HEADROOM_BYTES
     staging = 2 * DEFAULT_MAX_STAGING_BYTES  # one buffer per copy stream

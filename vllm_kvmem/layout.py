@@ -38,15 +38,6 @@ CPU_ATTN = "CPU_ATTN"
 CPU_ATTN_BLOCK_OUTER = "BLHNC"
 
 
-class ContiguousKVLayoutMixin:
-    """Transitional: the host tier's connector inherits it until it defines
-    ``get_required_kvcache_layout`` itself; delete then."""
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return "BLHNC"
-
-
 def required_block_outer(vllm_config: Any) -> Any | None:
     """The block-outer ``KVCacheLayout`` the configured connector requires
     through vLLM's ``get_required_kvcache_layout()``, or None (no connector,

@@ -59,6 +59,9 @@ def register() -> bool:
         )
         return False
     applied = apply_all(patches)
+    from vllm_kvmem.host_tier.startup import register_connector_name
+
+    register_connector_name()
     _state["patched"] = True
     skipped = [p.name for p in ALL_PATCHES if p not in patches]
     logger.debug(

@@ -23,10 +23,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from vllm_kvmem.core.kv_region import PageGeometry
+from typing import Any
 
 _KU = "vllm.v1.core.kv_cache_utils"
 _KP = "vllm.v1.core.kv_cache_planning"  # vLLM 0.33
@@ -332,39 +329,13 @@ def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
     return out
 
 
-def page_geometries(kv_cache_config: Any) -> list[PageGeometry]:
-    """The byte geometry of every ``KVCacheTensor`` of a config."""
-    from vllm_kvmem.core.kv_region import PageGeometry
-
-    specs = layer_specs(kv_cache_config)
-    return [
-        PageGeometry(
-            offset=int(t.offset),
-            num_layers=len(t.layers),
-            page_bytes=int(specs[t.layers[0]].page_size_bytes),
-            layer_stride=int(t.layer_stride),
-            block_stride=int(t.block_stride),
-        )
-        for t in kv_cache_config.kv_cache_tensors
-    ]
-
-
-def host_slot_bytes(kv_cache_config: Any) -> int:
-    """Host bytes of one block on a worker: every layer's page of it, each
-    byte once (hybrid models overlay their KV cache groups, see
-    :func:`~vllm_kvmem.core.kv_region.distinct_regions`)."""
-    from vllm_kvmem.core.kv_region import distinct_regions
-
-    return sum(
-        r.block_bytes for r in distinct_regions(page_geometries(kv_cache_config))
-    )
-
-
 def pipeline_host_slot_bytes(kv_cache_configs: Sequence[Any]) -> int:
     """Host bytes of one block summed over pipeline stages (one TP shard)."""
+    from vllm_kvmem.host_tier.kv_region import config_slot_bytes
+
     stage = stages_of_configs(kv_cache_configs)
     return sum(
-        host_slot_bytes(kv_cache_configs[r]) for r in first_rank_of_each_stage(stage)
+        config_slot_bytes(kv_cache_configs[r]) for r in first_rank_of_each_stage(stage)
     )
 
 

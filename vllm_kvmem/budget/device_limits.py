@@ -101,7 +101,7 @@ def staging_reserve_bytes(vllm_config: Any) -> int:
         return 0
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vllm_kvmem.core.copy_engine import staging_reserve
+    from vllm_kvmem.host_tier.copy_engine import staging_reserve
 
     layout = vllm_config.cache_config.kv_cache_layout
     # B outermost, then L (BLHNC, BLNHC): every layer of a block is adjacent.

@@ -5,10 +5,12 @@ Life of a block (see docs/host-kv-tier.md):
 
 1. It is computed on the device and enters vLLM's prefix cache as usual; as
    long as it stays on the device the tier costs nothing.
-2. When vLLM hands the freed, cached block to another request (eviction,
-   ``BlockPool._maybe_evict_cached_block``), the scheduler gives its hash a host
-   slot and queues ``(block, slot)``. The workers copy it to host memory at the
-   start of the next step, before that step's forward pass can overwrite it.
+2. Once it is free and cached near the head of vLLM's free queue (next in
+   line for eviction), the scheduler gives its hash a host slot and the
+   workers copy it to host memory in the background. A block vLLM evicts
+   before that copy ran is copied before the forward pass that would
+   overwrite it: the scheduler finds it in its shadow of the free queue's
+   head (vLLM's block pool, handed over by ``bind_gpu_block_pool``).
 3. A new request whose prefix misses on the device is looked up here by vLLM's
    own block hashes, in prefix order; the hits are copied into freshly
    allocated device blocks before the forward pass that reads them, and
@@ -20,68 +22,17 @@ same copies, saves before loads, in step order.
 
 Where each part lives:
 
-- ``startup``: the flag turned into vLLM's connector config, the host memory
-  check, the tier's size, which models it serves;
-- ``connector``: :class:`KVMemHostTierConnector`, the class vLLM loads from
-  this package (``MODULE_PATH``), which hands each call to one of
-- ``scheduler``: :class:`HostTierScheduler`, every decision (and the eviction
-  listener the ``block_pool_evict`` patch calls);
+- ``connector``: :class:`KVMemHostTierConnector`, the class vLLM loads
+  (``kv_connector_module_path``), which hands each call to one of
+- ``scheduler``: :class:`HostTierScheduler`, every decision;
 - ``worker``: :class:`HostTierWorker`, the copies;
+- ``config``: its settings, from vLLM's ``kv_connector_extra_config``;
+  ``support``: which KV cache configs it serves and what a hit restores;
 - ``metadata``: what the scheduler tells the workers each step and what they
-  answer; ``stats``: the counters and gauges, and their /metrics names.
+  answer; ``stats``: the counters and gauges, and their /metrics names;
+- free of vLLM: ``host_index`` (slots by block hash), ``copy_engine`` (block
+  copies), ``host_pool`` (pinned host memory), ``kv_region`` (where a block's
+  bytes live), ``wait_timer`` (the compute stream's waits on copies);
+- ``startup`` (the plugin only): ``--kv-host-cache-*`` turned into the
+  connector's config, the host memory check, the block count.
 """
-
-from vllm_kvmem.host_tier.connector import KVMemHostTierConnector
-from vllm_kvmem.host_tier.metadata import (
-    HostTierMetadata,
-    HostTierWorkerMeta,
-    LoadChunk,
-)
-from vllm_kvmem.host_tier.scheduler import HostTierScheduler, notify_evicted
-from vllm_kvmem.host_tier.startup import (
-    CONNECTOR_NAME,
-    DEFAULT_STEP_BYTES,
-    HOST_MEMORY_FRACTION,
-    MODULE_PATH,
-    RUNTIME_KEY,
-    SIZE_FLAG,
-    add_connector_config,
-    default_step_bytes,
-    size_host_tier,
-    unsupported_reason,
-)
-from vllm_kvmem.host_tier.stats import (
-    COUNTERS,
-    GAUGE_DOCS,
-    GAUGES,
-    METRIC_DOCS,
-    HostTierPromMetrics,
-    HostTierStats,
-)
-from vllm_kvmem.host_tier.worker import HostTierWorker
-
-__all__ = [
-    "COUNTERS",
-    "CONNECTOR_NAME",
-    "DEFAULT_STEP_BYTES",
-    "GAUGES",
-    "GAUGE_DOCS",
-    "HOST_MEMORY_FRACTION",
-    "METRIC_DOCS",
-    "MODULE_PATH",
-    "RUNTIME_KEY",
-    "SIZE_FLAG",
-    "HostTierMetadata",
-    "HostTierPromMetrics",
-    "HostTierScheduler",
-    "HostTierStats",
-    "HostTierWorker",
-    "HostTierWorkerMeta",
-    "KVMemHostTierConnector",
-    "LoadChunk",
-    "add_connector_config",
-    "default_step_bytes",
-    "notify_evicted",
-    "size_host_tier",
-    "unsupported_reason",
-]

@@ -15,23 +15,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_kvmem.config import KVMemConfig
+from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.kv_region import config_slot_bytes
 from vllm_kvmem.host_tier.scheduler import HostTierScheduler
-from vllm_kvmem.host_tier.startup import (
-    RUNTIME_KEY,
-    SIZE_FLAG,
-    default_step_bytes,
-    hit_groups,
-    unsupported_reason,
-)
 from vllm_kvmem.host_tier.stats import HostTierPromMetrics, HostTierStats
+from vllm_kvmem.host_tier.support import hit_groups, unsupported_reason
 from vllm_kvmem.host_tier.worker import HostTierWorker
-from vllm_kvmem.layout import ContiguousKVLayoutMixin
 
 
-class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1, SupportsHMA):
-    """vllm-kvmem's host tier, configured by ``--kv-host-cache-bytes``.
+class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """A host-memory KV tier for blocks the device prefix cache evicts,
+    configured through ``kv_connector_extra_config`` (:class:`HostTierConfig`).
 
     ``SupportsHMA``: with it vLLM keeps its hybrid KV cache manager for models
     with several KV cache groups (sliding-window and full-attention layers),
@@ -39,34 +35,41 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1, Suppor
     manager off for any model and give sliding-window layers full-attention
     memory."""
 
+    # Hits come from host memory (vLLM's per-source prefix cache metrics).
+    _cache_hit_source = CacheHitSource.HOST
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self._cfg = KVMemConfig.from_vllm_config(vllm_config)
-        runtime = vllm_config.additional_config.get(RUNTIME_KEY, {})
-        self.num_slots = int(runtime.get("host_num_slots", 0))
-        self.pipeline_slot_bytes = int(runtime.get("host_slot_bytes", 0))
+        self.config = HostTierConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        self.num_slots = self.config.num_host_blocks
         reason = unsupported_reason(kv_cache_config)
-        if not reason and self.num_slots < 1:
-            reason = (
-                f"{SIZE_FLAG} {self._cfg.kv_host_cache_bytes} holds no whole block "
-                f"({self.pipeline_slot_bytes} bytes per block)"
+        self.pipeline_slot_bytes = 0
+        if not reason:
+            self.pipeline_slot_bytes = self.config.host_block_bytes or (
+                config_slot_bytes(kv_cache_config)
             )
+        if not reason and self.num_slots < 1:
+            reason = "no host block: kv_connector_extra_config num_host_blocks is 0"
+            if self.config.host_bytes:
+                reason = (
+                    f"{self.config.host_bytes:,} host bytes hold no whole block "
+                    f"({self.pipeline_slot_bytes:,} bytes per block)"
+                )
         self.enabled = not reason
         groups = kv_cache_config.kv_cache_groups
         self.block_size = groups[0].kv_cache_spec.block_size if groups else 0
-        self.step_bytes = self._cfg.kv_host_cache_step_bytes or default_step_bytes()
-        self.verify = self._cfg.kv_host_cache_verify
         self.connector_scheduler: HostTierScheduler | None = None
         self.connector_worker: HostTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = HostTierScheduler(
-                self._cfg,
+                self.config,
                 vllm_config,
                 reason=reason,
                 num_slots=self.num_slots,
                 pipeline_slot_bytes=self.pipeline_slot_bytes,
                 block_size=self.block_size,
-                step_bytes=self.step_bytes,
                 groups=hit_groups(kv_cache_config) if self.enabled else (),
             )
         else:
@@ -74,8 +77,20 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1, Suppor
                 kv_cache_config,
                 enabled=self.enabled,
                 num_slots=self.num_slots,
-                verify=self.verify,
+                verify=self.config.verify,
             )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # All layers of a block adjacent: a block is one copy. vLLM keeps its
+        # own layout, with a warning, where the attention backends lack it;
+        # the tier copies any layout.
+        return "BLHNC"
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to a preemption is a later miss.
+        return False
 
     @property
     def _scheduler(self) -> HostTierScheduler:
@@ -109,14 +124,12 @@ class KVMemHostTierConnector(ContiguousKVLayoutMixin, KVConnectorBase_V1, Suppor
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]):
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # The tier never holds a finished request's blocks: it copies blocks
-        # when vLLM evicts them, whichever group they belong to.
-        return self._scheduler.request_finished(request, [])
+        return self._scheduler.request_finished(request, block_ids)
 
     def reset_cache(self) -> bool | None:
         if self.connector_scheduler is None:

@@ -11,69 +11,22 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.logger import init_logger
+from vllm.utils.math_utils import cdiv
+from vllm.utils.mem_constants import MiB_bytes
+from vllm.utils.mem_utils import format_gib
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from vllm_kvmem.config import KVMemConfig
-from vllm_kvmem.core.host_index import HostBlockIndex
-from vllm_kvmem.core.units import MiB, cdiv, gib
+from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.host_index import HostBlockIndex
 from vllm_kvmem.host_tier.metadata import (
     HostTierMetadata,
     HostTierWorkerMeta,
     LoadChunk,
 )
 from vllm_kvmem.host_tier.stats import CountsStats, HostTierStats
+from vllm_kvmem.host_tier.support import GroupWindow, describe_groups
 
 logger = init_logger("vllm.kvmem.host_tier")
-
-# The scheduler side of this process's connector, told about every eviction by
-# the block_pool_evict patch (one engine core, one scheduler per process).
-_evict_listener: Any = None
-
-
-def notify_evicted(block: Any) -> None:
-    """Called before vLLM drops a cached block's hash. Only a free block being
-    handed out again (``ref_cnt == 0``, from ``get_new_blocks``) is spilled; the
-    other callers evict blocks whose contents are not to be trusted."""
-    if (
-        _evict_listener is not None
-        and block.block_hash is not None
-        and block.ref_cnt == 0
-    ):
-        _evict_listener(block)
-
-
-@dataclass(frozen=True)
-class GroupWindow:
-    """What a prefix hit needs of one KV cache group: every block of the
-    prefix (full attention, ``window`` None), or only the blocks the next
-    token still attends to (sliding window)."""
-
-    group_id: int
-    window: int | None = None
-    extra_retained: int = 0  # tokens kept below the window (vLLM's MTP margin)
-
-    def first_needed(self, end_block: int, block_size: int) -> int:
-        """The first block a hit ending before block ``end_block`` needs:
-        vLLM nulls the blocks before it (``get_num_skipped_tokens`` of the
-        group's manager, on the hit's tokens)."""
-        if self.window is None:
-            return 0
-        skipped = end_block * block_size - self.window + 1 - self.extra_retained
-        return max(0, skipped) // block_size
-
-
-def describe_groups(groups: tuple[GroupWindow, ...]) -> str:
-    """``1 KV cache group (full attention)``, ``4 KV cache groups (1 full
-    attention, 3 sliding window of 256 tokens)``: what a hit restores."""
-    kinds: dict[str, int] = {}
-    for g in groups:
-        kind = "full attention"
-        if g.window is not None:
-            kind = f"sliding window of {g.window} tokens"
-        kinds[kind] = kinds.get(kind, 0) + 1
-    if len(groups) == 1:
-        return f"1 KV cache group ({next(iter(kinds))})"
-    parts = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-    return f"{len(groups)} KV cache groups ({parts})"
 
 
 @dataclass
@@ -102,32 +55,37 @@ class HostTierScheduler(CountsStats):
 
     def __init__(
         self,
-        cfg: KVMemConfig,
+        config: HostTierConfig,
         vllm_config: Any,
         *,
         reason: str,
         num_slots: int,
         pipeline_slot_bytes: int,
         block_size: int,
-        step_bytes: int,
         groups: tuple[GroupWindow, ...] = (GroupWindow(0),),
     ) -> None:
         """``reason``: why the tier is off (empty when on); ``groups``: the
         KV cache groups a hit restores (all of vLLM's, in its order)."""
-        global _evict_listener
         super().__init__()
-        self._cfg = cfg
+        self.config = config
         self.enabled = not reason
         self.num_slots = num_slots
         self.pipeline_slot_bytes = pipeline_slot_bytes
         self.block_size = block_size
-        self.step_bytes = step_bytes
+        self.step_bytes = config.copy_budget_bytes
         # Full-attention groups first: their hit is a plain prefix, which
         # bounds the search in the sliding-window ones.
         self.groups = tuple(sorted(groups, key=lambda g: g.window is not None))
         self._seq = 0
         self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
         self._evict_saves: list[tuple[int, int]] = []
+        # The hashed blocks at the head of the free queue at the last step,
+        # and those of requests finished since: block id -> (hash, tokens it
+        # covers). vLLM drops a block's hash when
+        # it evicts the block, so this is how the tier knows which hash an
+        # evicted block held (see _spill_shadow_evictions).
+        self._shadow: dict[int, Any] = {}
+        self._scan_state: tuple[int, int] | None = None
         self._matched: dict[str, _Match] = {}  # until vLLM allocates the request
         self._sync_loads: list[LoadChunk] = []  # this step's
         self._sync_blocks = 0
@@ -142,7 +100,6 @@ class HostTierScheduler(CountsStats):
         # slot -> step whose save last wrote it: a failure reported for that
         # step forgets the slot's block, a stale report (slot reused) nothing.
         self._save_step: dict[int, int] = {}
-        self._scan_state: tuple[int, int] | None = None
         sched = vllm_config.scheduler_config
         step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 0)
         slot_bytes = max(1, self.pipeline_slot_bytes)
@@ -152,44 +109,64 @@ class HostTierScheduler(CountsStats):
         self._scan_window = max(
             self._budget_blocks, 2 * cdiv(step_tokens, self.block_size), 64
         )
+        # Blocks one scheduling pass can evict: every group's share of the
+        # step's tokens, plus a block boundary per scheduled request.
+        max_seqs = int(getattr(sched, "max_num_seqs", 0) or 0)
+        per_group = cdiv(step_tokens, self.block_size) + max_seqs + 1
+        self._shadow_window = max(self._scan_window, per_group * len(self.groups))
         if not self.enabled:
             logger.warning(
                 "Host KV tier off: %s; serving continues without it.", reason
             )
-            _evict_listener = None
             return
-        self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
-        _evict_listener = self._on_evicted
+        self.index = HostBlockIndex(self.num_slots, config.eviction_policy)
         logger.info(
             "Host KV tier: %d blocks of %d tokens (%s GiB per TP shard, %s "
             "eviction) for %s; background copies up to %d MiB per step each "
             "way, late spills %s.",
             self.num_slots,
             self.block_size,
-            gib(self.num_slots * self.pipeline_slot_bytes),
-            self._cfg.kv_host_cache_policy,
+            format_gib(self.num_slots * self.pipeline_slot_bytes),
+            config.eviction_policy,
             describe_groups(self.groups),
-            self.step_bytes // MiB,
-            "copied" if self._cfg.kv_host_cache_late_spill == "copy" else "dropped",
+            self.step_bytes // MiB_bytes,
+            "copied" if config.late_spill == "copy" else "dropped",
         )
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
 
-    def _on_evicted(self, block: Any) -> None:
-        """vLLM hands a free cached block to another request (an eviction)."""
-        covered = block.block_hash_num_tokens  # prefix tokens up to this block
+    def _spill_shadow_evictions(self) -> None:
+        """The evictions of the last scheduling pass, found in the shadow.
+
+        vLLM evicts from the head of the free queue (``get_new_blocks``) and
+        drops the block's hash as it does. A shadowed block whose hash is no
+        longer the one recorded was evicted; its KV is intact until this
+        step's forward pass, which the workers' copies precede. A block whose
+        hash vLLM dropped while it stayed free (a prefix cache reset) was not
+        handed out, and its KV is not spilled. Missed: the blocks of a request
+        preempted and evicted within one pass (vLLM frees them inside
+        ``schedule()``), which are recomputed."""
+        blocks = self._pool.blocks
+        for block_id, (key, covered) in list(self._shadow.items()):
+            block = blocks[block_id]
+            if block.block_hash == key:
+                continue  # still cached (free, or a device prefix hit)
+            del self._shadow[block_id]
+            if block.block_hash is None and block.ref_cnt == 0:
+                continue  # dropped in place, not handed out
+            self._on_evicted(block_id, key, covered)
+
+    def _on_evicted(self, block_id: int, key: Any, covered: int | None) -> None:
+        """vLLM handed the free cached block ``block_id``, which held ``key``
+        (vLLM's hash with the block's KV cache group), to another request."""
         if covered is not None and covered % self.block_size:
             return  # a partial block: never looked up by full-block hashes
-        # The key is vLLM's hash with the block's KV cache group: a
-        # sliding-window group's block of a prefix is not the full-attention
-        # group's block of the same prefix.
-        key = block.block_hash
         if key in self.index:
             self.index.put(key)  # refresh its place in the host LRU
             self._count(blocks_evicted_on_host=1)
             return  # copied ahead (a fence waits for it if still in flight)
-        if self._cfg.kv_host_cache_late_spill == "drop":
+        if self.config.late_spill == "drop":
             self._count(blocks_evicted_dropped=1)
             return
         slot = self.index.put(key)
@@ -198,7 +175,7 @@ class HostTierScheduler(CountsStats):
             # in the same step must not be given the same slot.
             self.index.pin([slot])
             self._step_pins.append(slot)
-            self._evict_saves.append((block.block_id, slot))
+            self._evict_saves.append((block_id, slot))
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -243,7 +220,6 @@ class HostTierScheduler(CountsStats):
         sliding-window group only those the next token still attends to (the
         ones before ``start`` are vLLM's own device hit). Returns its end
         block and the host slot of each ``(group, position)`` to load."""
-        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
         def slot(group: GroupWindow, pos: int) -> int | None:
             key = make_block_hash_with_group_id(block_hashes[pos], group.group_id)
@@ -368,8 +344,6 @@ class HostTierScheduler(CountsStats):
 
     def _pin_held(self, request: Any, group_id: int, pos: int) -> int | None:
         """The host slot of a request's block, pinned, if the host holds it."""
-        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
-
         key = make_block_hash_with_group_id(request.block_hashes[pos], group_id)
         slot = self.index.slot_of(key)
         if slot is not None:
@@ -381,9 +355,11 @@ class HostTierScheduler(CountsStats):
         meta = HostTierMetadata(seq=self._seq)
         if not self.enabled:
             return meta
+        if self._pool is not None:
+            self._spill_shadow_evictions()
         meta.fence = self._fences()
         meta.evict_saves, self._evict_saves = self._evict_saves, []
-        meta.ahead_saves = self._pick_ahead_saves()
+        meta.ahead_saves = self._walk_free_queue()
         meta.loads = self._sync_loads + self._next_load_chunks(
             self._budget_blocks - self._sync_blocks
         )
@@ -424,40 +400,45 @@ class HostTierScheduler(CountsStats):
             del self._ahead[block_id]
         return fence
 
-    def _pick_ahead_saves(self) -> list[tuple[int, int]]:
-        """Cached blocks next in line for eviction with no host copy yet,
-        copied in the background up to the step budget."""
+    def _walk_free_queue(self) -> list[tuple[int, int]]:
+        """Walk the head of vLLM's free queue, where it evicts next: pick the
+        cached blocks with no host copy yet to copy in the background (up to
+        the step budget, within the scan window), and shadow the hashed
+        blocks the next scheduling pass may evict."""
         queue = getattr(self._pool, "free_block_queue", None)
         if queue is None:
             return []
-        head = queue.fake_free_list_head.next_free_block
+        head = next(queue.iter_blocks_after(None), None)
         state = (queue.num_free_blocks, head.block_id if head else -1)
         if state == self._scan_state:
-            return []  # same free queue as the last walk, which found it all saved
+            # Nothing popped or freed since a walk that found every block
+            # saved: the picks and the shadow stand.
+            return []
         picked: list[tuple[int, int]] = []
-        node, scanned = head, 0
-        while (
-            node is not None
-            and node.block_id >= 0
-            and scanned < self._scan_window
-            and len(picked) < self._budget_blocks
-        ):
-            scanned += 1
-            block_hash = node.block_hash
-            if block_hash is not None and node.block_id not in self._ahead:
-                covered = node.block_hash_num_tokens
-                key = block_hash  # with its KV cache group, as _on_evicted
-                if (covered is None or covered % self.block_size == 0) and (
-                    key not in self.index
-                ):
-                    slot = self.index.put(key)
-                    if slot is None:
-                        break  # every host slot is pinned
-                    self.index.pin([slot])
-                    self._step_pins.append(slot)
-                    picked.append((node.block_id, slot))
-                    self._ahead[node.block_id] = (key, self._seq)
-            node = node.next_free_block
+        self._shadow, host_full = {}, False
+        for scanned, block in enumerate(queue.iter_blocks_after(None)):
+            if scanned >= self._shadow_window:
+                break
+            key, covered = block.block_hash, block.block_hash_num_tokens
+            if key is None or block.is_null:
+                continue
+            self._shadow[block.block_id] = (key, covered)
+            if (
+                not host_full
+                and scanned < self._scan_window
+                and len(picked) < self._budget_blocks
+                and block.block_id not in self._ahead
+                and (covered is None or covered % self.block_size == 0)
+                and key not in self.index
+            ):
+                slot = self.index.put(key)
+                if slot is None:
+                    host_full = True  # every host slot is pinned
+                    continue
+                self.index.pin([slot])
+                self._step_pins.append(slot)
+                picked.append((block.block_id, slot))
+                self._ahead[block.block_id] = (key, self._seq)
         self._scan_state = None if len(picked) == self._budget_blocks else state
         return picked
 
@@ -535,7 +516,22 @@ class HostTierScheduler(CountsStats):
                 dropped,
             )
 
-    def request_finished(self, request: Any, block_ids: list[int]):
+    def request_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """The tier never holds a finished request's blocks (``False``); it
+        shadows the cached ones, which vLLM frees now and may evict in the
+        next scheduling pass, before a walk of the free queue saw them."""
+        if self.enabled and self._pool is not None:
+            blocks = self._pool.blocks
+            for ids in block_ids:
+                for block_id in ids:
+                    block = blocks[block_id]
+                    if block.block_hash is not None and not block.is_null:
+                        self._shadow[block_id] = (
+                            block.block_hash,
+                            block.block_hash_num_tokens,
+                        )
         req_id = request.request_id
         self._lookups.pop(req_id, None)
         matched = self._matched.pop(req_id, None)
@@ -553,12 +549,13 @@ class HostTierScheduler(CountsStats):
         after a weight update): stale KV must never be served."""
         if not self.enabled:
             return None
-        self.index = HostBlockIndex(self.num_slots, self._cfg.kv_host_cache_policy)
+        self.index = HostBlockIndex(self.num_slots, self.config.eviction_policy)
         self._save_step = {}
         # Loads already promised to allocated blocks still run, so their slots
         # stay pinned until they finish; queued saves are dropped.
         self._evict_saves = []
         self._step_pins = []
+        self._shadow = {}  # their KV no longer matches the hashes recorded
         self._scan_state = None
         for load in self._load_queue.values():
             self.index.pin(load.slots)
@@ -588,6 +585,4 @@ class HostTierScheduler(CountsStats):
         return stats
 
     def shutdown(self) -> None:
-        global _evict_listener
-        if _evict_listener == self._on_evicted:
-            _evict_listener = None  # stop spilling for a stopped scheduler
+        self._shadow = {}

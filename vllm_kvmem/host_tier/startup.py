@@ -12,12 +12,16 @@ from vllm.logger import init_logger
 from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core.units import MiB, gib
+from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.support import unsupported_reason
 
 logger = init_logger("vllm.kvmem.host_tier")
 
 CONNECTOR_NAME = "KVMemHostTierConnector"
-MODULE_PATH = "vllm_kvmem.host_tier"
-RUNTIME_KEY = "kvmem_runtime"
+MODULE_PATH = "vllm_kvmem.host_tier.connector"
+#: The name vLLM's tree gives the connector (the in-tree series): registered
+#: on unmodified vLLM too, so one ``kv_transfer_config`` works with either.
+INTREE_NAME = "HostTierConnector"
 SIZE_FLAG = KVMemConfig.flag("kv_host_cache_bytes")
 
 
@@ -52,8 +56,8 @@ def add_connector_config(engine_args: Any) -> None:
     if getattr(engine_args, "kv_offloading_size", None) is not None:
         raise ValueError(
             f"{SIZE_FLAG} {size:,} and --kv-offloading-size "
-            f"{engine_args.kv_offloading_size} both add a host KV tier; use one: "
-            f"vllm-kvmem's spills only evicted blocks, vLLM's stores every block."
+            f"{engine_args.kv_offloading_size} both add a host KV tier; use one "
+            f"of them (docs/host-kv-tier.md compares the two)."
         )
     if engine_args.enable_prefix_caching is False:
         raise ValueError(
@@ -66,11 +70,31 @@ def add_connector_config(engine_args: Any) -> None:
         kv_connector=CONNECTOR_NAME,
         kv_connector_module_path=MODULE_PATH,
         kv_role="kv_both",
+        kv_connector_extra_config=HostTierConfig(
+            host_bytes=size,
+            eviction_policy=cfg.kv_host_cache_policy,
+            step_bytes=cfg.kv_host_cache_step_bytes or 0,
+            late_spill=cfg.kv_host_cache_late_spill,
+            verify=cfg.kv_host_cache_verify,
+        ).to_extra_config(),
         # A host block that fails to load (or to verify) is recomputed, never
         # served and never fatal to the request.
         kv_load_failure_policy="recompute",
     )
     _refuse_unservable_model(engine_args)
+
+
+def register_connector_name() -> None:
+    """Register :data:`INTREE_NAME` with vLLM's connector factory (its
+    extension point for out-of-tree connectors), unless vLLM has it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import (
+        KVConnectorFactory,
+    )
+
+    try:
+        KVConnectorFactory.register_connector(INTREE_NAME, MODULE_PATH, CONNECTOR_NAME)
+    except ValueError:
+        pass  # vLLM's own (the in-tree series), or registered already
 
 
 def installed(vllm_config: Any) -> bool:
@@ -250,86 +274,24 @@ def _check_host_memory(engine_args: Any, size: int) -> None:
 
 
 def size_host_tier(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
-    """Size the host tier from every rank's KV cache config: the number of
-    host slots, and the bytes of one slot over the pipeline (one TP shard).
+    """Count the host blocks from every rank's KV cache config, into the
+    connector's ``kv_connector_extra_config`` (``num_host_blocks``, and
+    ``host_block_bytes``: one block over the pipeline, one TP shard).
 
     Runs in the engine core (after the budget) and in every worker (before
-    its KV cache is allocated) on the same configs, so all processes agree;
-    the connector reads the result from ``additional_config``.
+    its KV cache is allocated) on the same configs, so all processes agree.
     """
     cfg = KVMemConfig.from_vllm_config(vllm_config)
     if cfg.kv_host_cache_bytes is None or not kv_cache_configs:
         return
     if not installed(vllm_config) or unsupported_reason(kv_cache_configs[0]):
         return  # refused at startup, or off once the connector starts
-    slot_bytes = va.pipeline_host_slot_bytes(kv_cache_configs)
-    runtime = vllm_config.additional_config.setdefault(RUNTIME_KEY, {})
-    runtime["host_num_slots"] = (
-        cfg.kv_host_cache_bytes // slot_bytes if slot_bytes else 0
+    block_bytes = va.pipeline_host_slot_bytes(kv_cache_configs)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    extra["num_host_blocks"] = (
+        cfg.kv_host_cache_bytes // block_bytes if block_bytes else 0
     )
-    runtime["host_slot_bytes"] = slot_bytes
-
-
-def unsupported_reason(kv_cache_config: Any) -> str:
-    """Why the tier cannot serve this model/backend; empty when it can.
-
-    Served: KV cache groups of full attention and of sliding-window
-    attention (vLLM's hybrid KV cache manager keeps one group per kind and
-    window), with one block size. What a model's config already shows (MLA,
-    Mamba state, no attention) is refused earlier, before vLLM chooses its
-    KV cache manager (:func:`unsupported_model_reason`); this is the check
-    on the KV cache groups vLLM actually formed."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
-
-    groups = kv_cache_config.kv_cache_groups
-    if not groups:
-        return "the model has no KV cache"
-    served = (FullAttentionSpec, SlidingWindowSpec)
-    for g in groups:
-        spec = g.kv_cache_spec
-        if isinstance(spec, MLAAttentionSpec):
-            return "the model uses MLA"
-        if type(spec) not in served:
-            return (
-                f"its layers use {type(spec).__name__}; it serves full-attention "
-                "and sliding-window KV cache groups only"
-            )
-        if getattr(g, "is_eagle_group", False):
-            return "a speculative decoding draft model has its own KV cache group"
-    sizes = sorted({g.kv_cache_spec.block_size for g in groups})
-    if len(sizes) > 1:
-        return f"its KV cache groups have different block sizes ({sizes})"
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-        return "vLLM zeroes new blocks of this model before connectors run"
-    hash_bs = kv_cache_config.hash_block_size
-    if hash_bs not in (None, sizes[0]):
-        return f"prefix hashes cover {hash_bs} tokens, blocks {sizes[0]}"
-    from vllm_kvmem import vllm_adapter as va
-
-    try:
-        va.host_slot_bytes(kv_cache_config)
-    except ValueError as exc:
-        return str(exc)
-    return ""
-
-
-def hit_groups(kv_cache_config: Any) -> tuple[Any, ...]:
-    """What a host hit restores of each of vLLM's KV cache groups (a model
-    :func:`unsupported_reason` accepts)."""
-    from vllm_kvmem.host_tier.scheduler import GroupWindow
-
-    return tuple(
-        GroupWindow(
-            i,
-            getattr(g.kv_cache_spec, "sliding_window", None),
-            getattr(g.kv_cache_spec, "extra_retained_tokens", 0),
-        )
-        for i, g in enumerate(kv_cache_config.kv_cache_groups)
-    )
+    extra["host_block_bytes"] = block_bytes
 
 
 def unsupported_model_reason(model_config: Any) -> str:
@@ -347,18 +309,3 @@ def unsupported_model_reason(model_config: Any) -> str:
     if model_config.is_encoder_decoder:
         return "the model is an encoder-decoder (per-request cross-attention KV)"
     return ""
-
-
-#: Default per-step copy budget (each direction). On CPU the copies run inside
-#: the step at memory speed (~8 GB/s here): 256 MiB holds a step up ~32 ms,
-#: about one decode step of a small model, and a hit that size (2k tokens of
-#: a 128 KiB/token model) loads synchronously and joins the batch in the step
-#: it is admitted. On a GPU the copies run on side streams; 512 MiB is ~10 ms
-#: of PCIe 5 traffic.
-DEFAULT_STEP_BYTES = {"cpu": 256 << 20, "gpu": 512 << 20}
-
-
-def default_step_bytes() -> int:
-    from vllm.platforms import current_platform
-
-    return DEFAULT_STEP_BYTES["cpu" if current_platform.is_cpu() else "gpu"]

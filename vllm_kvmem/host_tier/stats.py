@@ -80,7 +80,7 @@ METRIC_DOCS = {
     "blocks_evicted_on_host": "Device evictions of blocks already held by the host "
     "tier (nothing copied).",
     "blocks_evicted_dropped": "Device evictions of blocks not yet on the host that "
-    "were dropped (--kv-host-cache-late-spill drop).",
+    "were dropped (late_spill 'drop').",
     "load_errors": "Host tier blocks that failed to load or verify (recomputed).",
     "save_errors": "Blocks whose copy to the host tier failed (not kept on the "
     "host; served from the device or recomputed).",

@@ -13,15 +13,15 @@ from collections import deque
 from typing import Any
 
 from vllm.logger import init_logger
+from vllm.utils.mem_utils import format_gib
 
-from vllm_kvmem.core.units import gib
-from vllm_kvmem.core.wait_timer import StreamWaitTimer
 from vllm_kvmem.host_tier.metadata import (
     HostTierMetadata,
     HostTierWorkerMeta,
     LoadChunk,
 )
 from vllm_kvmem.host_tier.stats import CountsStats, HostTierStats
+from vllm_kvmem.host_tier.wait_timer import StreamWaitTimer
 
 logger = init_logger("vllm.kvmem.host_tier")
 
@@ -64,12 +64,15 @@ class HostTierWorker(CountsStats):
             return
         import torch
 
-        from vllm_kvmem import vllm_adapter as va
-        from vllm_kvmem.core.copy_engine import BlockCopyEngine, HostBlockPool, KVRegion
-        from vllm_kvmem.core.kv_region import distinct_regions
+        from vllm_kvmem.host_tier.copy_engine import (
+            BlockCopyEngine,
+            HostBlockPool,
+            KVRegion,
+        )
+        from vllm_kvmem.host_tier.kv_region import distinct_regions, layer_page_bytes
 
         cfg = self._kv_cache_config
-        specs = va.layer_specs(cfg)
+        pages = layer_page_bytes(cfg)
         regions = []
         for tensor in cfg.kv_cache_tensors:
             storage = kv_caches[tensor.layers[0]].untyped_storage()
@@ -77,13 +80,13 @@ class HostTierWorker(CountsStats):
                 0, dtype=torch.uint8, device=kv_caches[tensor.layers[0]].device
             )
             base.set_(storage, 0, (storage.nbytes(),), (1,))
-            page = specs[tensor.layers[0]].page_size_bytes
+            page = pages[tensor.layers[0]]
             regions.append(
                 KVRegion.from_kv_cache_tensor(base, tensor, page, cfg.num_blocks)
             )
         # Hybrid models overlay their KV cache groups: one block's bytes are
         # the union of the groups' pages, copied once (the same sum the
-        # scheduler sized the host slots with, va.host_slot_bytes).
+        # scheduler sized the host slots with, config_slot_bytes).
         regions = distinct_regions(regions)
         if self._engine is not None:
             # KV caches registered again (re-initialised): the old pool goes
@@ -100,7 +103,7 @@ class HostTierWorker(CountsStats):
             "memory.",
             self.num_slots,
             pool.slot_bytes,
-            gib(pool.nbytes),
+            format_gib(pool.nbytes),
             "pinned" if pool.pinned else "pageable (pre-faulting in the background)",
         )
 
@@ -113,7 +116,7 @@ class HostTierWorker(CountsStats):
         engine.close()
         logger.info(
             "Host KV tier released on this rank: %s GiB of %s host memory.",
-            gib(nbytes),
+            format_gib(nbytes),
             "pinned" if pinned else "pageable",
         )
 

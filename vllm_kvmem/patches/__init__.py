@@ -14,7 +14,6 @@ from vllm_kvmem.patches._registry import (
     is_applied,
     original_of,
 )
-from vllm_kvmem.patches.block_pool_evict import PATCH as BLOCK_POOL_EVICT
 from vllm_kvmem.patches.cpu_attn_layouts import PATCH as CPU_ATTN_LAYOUTS
 from vllm_kvmem.patches.cpu_worker_memory import PATCH as CPU_WORKER_MEMORY
 from vllm_kvmem.patches.engine_args_cli import PATCH as ENGINE_ARGS_CLI
@@ -45,7 +44,6 @@ ALL_PATCHES: tuple[Patch, ...] = (
     WORKER_KV_CACHE_INIT,
     KV_CACHE_LAYOUT,
     CPU_ATTN_LAYOUTS,
-    BLOCK_POOL_EVICT,
 )
 
 __all__ = [

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvmem.core.kv_region import KVRegion, host_slot_bytes
-from vllm_kvmem.core.units import cdiv
+from vllm_kvmem.host_tier.kv_region import KVRegion, host_slot_bytes
 
 logger = logging.getLogger("vllm.kvmem.copy_engine")
 
@@ -127,7 +126,7 @@ def _page_aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     pool sharing a page with another pinned buffer would fail to pin.
     """
     page = mmap.PAGESIZE
-    span = cdiv(nbytes, page) * page
+    span = -(-nbytes // page) * page
     owner = torch.empty(span + page, dtype=torch.uint8)
     start = -owner.data_ptr() % page
     return owner[start : start + nbytes], owner, span
@@ -227,7 +226,7 @@ def _populate_write(tensor: torch.Tensor) -> bool:
     """
     page = mmap.PAGESIZE
     ptr = tensor.data_ptr()
-    start = cdiv(ptr, page) * page
+    start = -(-ptr // page) * page
     end = (ptr + tensor.numel() * tensor.element_size()) // page * page
     if end <= start:
         return True

@@ -349,3 +349,40 @@ def distinct_regions(regions: Sequence[Any]) -> list[Any]:
                 "other's pages), so a block cannot be copied region by region"
             )
     return out
+
+
+def layer_page_bytes(kv_cache_config: Any) -> dict[str, int]:
+    """Each layer's page size in a vLLM ``KVCacheConfig``, as its KV cache
+    group holds it (one spec for the group, or one per layer in a
+    ``UniformTypeKVCacheSpecs``); read by attribute, so vLLM is not imported."""
+    out: dict[str, int] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None)
+        for name in group.layer_names:
+            out[name] = int((per_layer[name] if per_layer else spec).page_size_bytes)
+    return out
+
+
+def page_geometries(kv_cache_config: Any) -> list[PageGeometry]:
+    """The byte geometry of every ``KVCacheTensor`` of a ``KVCacheConfig``."""
+    pages = layer_page_bytes(kv_cache_config)
+    return [
+        PageGeometry(
+            offset=int(t.offset),
+            num_layers=len(t.layers),
+            page_bytes=pages[t.layers[0]],
+            layer_stride=int(t.layer_stride),
+            block_stride=int(t.block_stride),
+        )
+        for t in kv_cache_config.kv_cache_tensors
+    ]
+
+
+def config_slot_bytes(kv_cache_config: Any) -> int:
+    """Host bytes of one block on a worker: every layer's page of it, each
+    byte once (hybrid models overlay their KV cache groups, see
+    :func:`distinct_regions`)."""
+    return sum(
+        r.block_bytes for r in distinct_regions(page_geometries(kv_cache_config))
+    )

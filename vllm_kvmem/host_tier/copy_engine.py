@@ -41,8 +41,8 @@ from typing import Any, Literal
 
 import torch
 
-from vllm_kvmem.core.host_pool import HostBlockPool
-from vllm_kvmem.core.kv_region import KVRegion, host_slot_bytes
+from vllm_kvmem.host_tier.host_pool import HostBlockPool
+from vllm_kvmem.host_tier.kv_region import KVRegion, host_slot_bytes
 
 logger = logging.getLogger("vllm.kvmem.copy_engine")
 
