@@ -43,6 +43,11 @@ ENGINE_TESTS = {
         "tests/v1/e2e/test_kv_cache_budget_engine.py",
         "test_kv_cache_tokens_sizes_the_cache",
     ),
+    # The plugin registers the in-tree connector's name on unmodified vLLM.
+    "host_tier": (
+        "tests/v1/e2e/test_host_kv_tier_engine.py",
+        "test_evicted_prefix_is_served_from_host_memory",
+    ),
 }
 
 

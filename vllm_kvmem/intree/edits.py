@@ -6,6 +6,8 @@ changed anchor fails naming the patch, the file and the anchor, never fuzzes.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -13,6 +15,14 @@ from typing import Literal
 SPDX = (
     "# SPDX-License-Identifier: Apache-2.0\n"
     "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n"
+)
+#: ruff as vLLM's pre-commit runs it on new files: imports sorted with
+#: ``vllm`` first-party, then formatted.
+RUFF_VLLM = (
+    "--isolated",
+    "--line-length=88",
+    "--target-version=py310",
+    "--config=lint.isort.known-first-party=['vllm']",
 )
 
 
@@ -53,11 +63,17 @@ class Edit:
 class NewFile:
     """A file the patch adds, at ``path`` in vLLM's tree, from ``source``
     (written for vLLM 0.33), with ``renames`` of what sits elsewhere in
-    another release (``(0.33's text, this release's)`` pairs)."""
+    another release or tree (``(source text, text here)`` pairs).
+
+    ``prefix`` goes before the source (the SPDX header of a module shared
+    with the plugin); ``tidy`` runs ruff on the result as vLLM's pre-commit
+    would (renamed imports regroup)."""
 
     path: str
     source: Path
     renames: tuple[tuple[str, str], ...] = ()
+    prefix: str = ""
+    tidy: bool = False
 
     def apply(self, root: Path, patch: str) -> None:
         text = self.source.read_text()
@@ -65,6 +81,7 @@ class NewFile:
             if old not in text:
                 raise ValueError(f"patch {patch}: {self.path}: no {old!r}")
             text = text.replace(old, new)
+        text = self.prefix + text
         if not text.startswith(SPDX):
             raise ValueError(f"patch {patch}: {self.path}: no SPDX header")
         out = root / self.path
@@ -72,3 +89,12 @@ class NewFile:
             raise ValueError(f"patch {patch}: {self.path} exists in the tree")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
+        if self.tidy:
+            ruff = [sys.executable, "-m", "ruff"]
+            for cmd in (
+                [*ruff, "check", "--fix", "--select=I", *RUFF_VLLM, str(out)],
+                [*ruff, "format", *RUFF_VLLM[:3], str(out)],
+            ):
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise ValueError(f"patch {patch}: {self.path}: {done.stdout}")

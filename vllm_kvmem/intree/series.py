@@ -22,7 +22,7 @@ from vllm_kvmem.vllm_sources import SourceTree
 
 FILES = Path(__file__).resolve().parent / "files"
 #: The patches, in series order (modules of ``vllm_kvmem.intree.patches``).
-ORDER = ("pp_kv_budget", "kv_cache_tokens", "cpu_attn_block_outer")
+ORDER = ("pp_kv_budget", "kv_cache_tokens", "cpu_attn_block_outer", "host_kv_tier")
 #: Author and date of every commit: the series is the same bytes for the same
 #: tree.
 GIT_ENV = {
