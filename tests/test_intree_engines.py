@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
+from kvmem_tools.intree import series as intree
 from tests.helpers import ROOT, engine_env, no_plugin_shim, run_pytest, site_033
-from vllm_kvmem.intree import series as intree
 
 MODEL_ID = "hmellor/tiny-random-LlamaForCausalLM"
 #: Engine tests of the series: (file in vLLM's tree, test).

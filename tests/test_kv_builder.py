@@ -144,7 +144,7 @@ def test_a_platform_with_its_own_builder_is_refused_by_name(model_8l, vllm033_py
 def test_the_probe_makes_the_engine_cores_calls(vllm033_python):
     """If 0.33's ``EngineCore._initialize_kv_caches`` stops making the calls
     ``plan_033`` makes, in that order, the probe is stale: this fails."""
-    from vllm_kvmem.vllm_sources import SourceTree
+    from kvmem_tools.vllm_sources import SourceTree
 
     tree = SourceTree(site_033())
     assert tree.version().startswith("0.33.")

@@ -14,6 +14,7 @@ import pytest
 
 from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.host_tier.kv_region import config_slot_bytes
+from vllm_kvmem.host_tier.startup import pipeline_block_bytes
 
 PACKAGE = Path(va.__file__).resolve().parent
 
@@ -98,7 +99,7 @@ def test_stages_from_specs_and_from_configs():
     assert va.layer_names(configs[2]) == {"a", "b"}
 
 
-def test_pipeline_host_slot_bytes_counts_each_stage_once():
+def test_pipeline_block_bytes_counts_each_stage_once():
     def config(page, *names):
         spec = SimpleNamespace(page_size_bytes=page)
         group = SimpleNamespace(layer_names=list(names), kv_cache_spec=spec)
@@ -110,7 +111,7 @@ def test_pipeline_host_slot_bytes_counts_each_stage_once():
     # TP=2 x PP=2, stage 0 with 3 layers of 4 KiB pages, stage 1 with 1.
     configs = [config(4096, "a", "b", "c"), config(4096, "d")] * 2
     assert config_slot_bytes(configs[0]) == 3 * 4096
-    assert va.pipeline_host_slot_bytes(configs) == 4 * 4096
+    assert pipeline_block_bytes(configs) == 4 * 4096
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLHNC"])

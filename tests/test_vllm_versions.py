@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from kvmem_tools.vllm_sources import SourceTree
 from tests.helpers import run_probe
 from vllm_kvmem.patches import ALL_PATCHES, original_of
 from vllm_kvmem.patches._registry import KNOWN_SERIES
 from vllm_kvmem.vllm_adapter import VLLM_HELPERS
-from vllm_kvmem.vllm_sources import SourceTree
 
 
 @pytest.fixture(scope="session")

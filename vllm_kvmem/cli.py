@@ -20,7 +20,22 @@ def _patches(args: argparse.Namespace) -> int:
 
 
 def _upstream(args: argparse.Namespace) -> int:
-    from vllm_kvmem.intree.series import run
+    """The generator is a development tool beside the package (not in the
+    wheel): found in the source checkout this package runs from."""
+    from pathlib import Path
+
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / "kvmem_tools").is_dir():
+        print(
+            "kvmem upstream runs from a source checkout of vllm-kvmem (the "
+            "in-tree series generator, kvmem_tools/, is not in the wheel): "
+            "git clone it and pip install -e it.",
+            file=sys.stderr,
+        )
+        return 2
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    from kvmem_tools.intree.series import run
 
     return run(args)
 

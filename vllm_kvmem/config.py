@@ -2,7 +2,7 @@
 
 Every option is validated here, whichever door it came in by (a server flag
 or an ``LLM(...)`` keyword argument). The plugin can add no field to vLLM's
-configs (in the in-tree series, ``vllm_kvmem/intree``, they are
+configs (in the in-tree series, ``kvmem_tools/intree``, they are
 ``CacheConfig`` fields), so they are stored, normalised, in
 ``VllmConfig.additional_config["kvmem"]``, which vLLM already ships to the
 engine core and to every worker process, and that mapping is a third door.

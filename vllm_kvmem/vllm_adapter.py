@@ -329,16 +329,6 @@ def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
     return out
 
 
-def pipeline_host_slot_bytes(kv_cache_configs: Sequence[Any]) -> int:
-    """Host bytes of one block summed over pipeline stages (one TP shard)."""
-    from vllm_kvmem.host_tier.kv_region import config_slot_bytes
-
-    stage = stages_of_configs(kv_cache_configs)
-    return sum(
-        config_slot_bytes(kv_cache_configs[r]) for r in first_rank_of_each_stage(stage)
-    )
-
-
 # ---------------------------------------------------------------- devices
 
 

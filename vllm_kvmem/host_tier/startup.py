@@ -13,6 +13,7 @@ from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.config import KVMemConfig
 from vllm_kvmem.core.units import MiB, gib
 from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.kv_region import config_slot_bytes
 from vllm_kvmem.host_tier.support import unsupported_reason
 
 logger = init_logger("vllm.kvmem.host_tier")
@@ -273,6 +274,15 @@ def _check_host_memory(engine_args: Any, size: int) -> None:
 # ------------------------------------------------------------ sizing
 
 
+def pipeline_block_bytes(kv_cache_configs: list[Any]) -> int:
+    """Host bytes of one block summed over pipeline stages (one TP shard)."""
+    stage = va.stages_of_configs(kv_cache_configs)
+    return sum(
+        config_slot_bytes(kv_cache_configs[r])
+        for r in va.first_rank_of_each_stage(stage)
+    )
+
+
 def size_host_tier(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
     """Count the host blocks from every rank's KV cache config, into the
     connector's ``kv_connector_extra_config`` (``num_host_blocks``, and
@@ -286,7 +296,7 @@ def size_host_tier(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
         return
     if not installed(vllm_config) or unsupported_reason(kv_cache_configs[0]):
         return  # refused at startup, or off once the connector starts
-    block_bytes = va.pipeline_host_slot_bytes(kv_cache_configs)
+    block_bytes = pipeline_block_bytes(kv_cache_configs)
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     extra["num_host_blocks"] = (
         cfg.kv_host_cache_bytes // block_bytes if block_bytes else 0

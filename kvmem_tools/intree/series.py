@@ -17,11 +17,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvmem.intree.edits import Edit, NewFile
-from vllm_kvmem.vllm_sources import SourceTree
+from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.vllm_sources import SourceTree
 
 FILES = Path(__file__).resolve().parent / "files"
-#: The patches, in series order (modules of ``vllm_kvmem.intree.patches``).
+#: The patches, in series order (modules of ``kvmem_tools.intree.patches``).
 ORDER = ("pp_kv_budget", "kv_cache_tokens", "cpu_attn_block_outer", "host_kv_tier")
 #: Author and date of every commit: the series is the same bytes for the same
 #: tree.
@@ -53,7 +53,7 @@ class InTreePatch:
 
 def patches() -> list[InTreePatch]:
     return [
-        importlib.import_module(f"vllm_kvmem.intree.patches.{name}").PATCH
+        importlib.import_module(f"kvmem_tools.intree.patches.{name}").PATCH
         for name in ORDER
     ]
 

@@ -6,8 +6,8 @@ available memory becomes its stage's share of ``kv_cache_memory_bytes``, so
 vLLM's own auto-fit, capacity check and minimum-block trim apply unchanged.
 """
 
-from vllm_kvmem.intree.edits import Edit, NewFile
-from vllm_kvmem.intree.series import FILES, InTreePatch
+from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "pp_kv_budget"
 

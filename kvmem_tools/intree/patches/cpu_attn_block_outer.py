@@ -9,8 +9,8 @@ layer-outer ones, so such a request falls back with vLLM's warning instead of
 crashing in the first forward pass.
 """
 
-from vllm_kvmem.intree.edits import Edit, NewFile
-from vllm_kvmem.intree.series import FILES, InTreePatch
+from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "cpu_attn_block_outer"
 

@@ -10,11 +10,12 @@ size) stays out: in-tree the connector is configured through
 
 from pathlib import Path
 
-from vllm_kvmem.intree.edits import SPDX, Edit, NewFile
-from vllm_kvmem.intree.series import FILES, InTreePatch
+import vllm_kvmem
+from kvmem_tools.intree.edits import SPDX, Edit, NewFile
+from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "host_kv_tier"
-PLUGIN = Path(__file__).resolve().parents[2] / "host_tier"
+PLUGIN = Path(vllm_kvmem.__file__).resolve().parent / "host_tier"
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/host_tier_connector.py"
 PACKAGE = "vllm/v1/host_kv_tier/"
 #: The plugin's modules that go in, besides the connector.

@@ -9,8 +9,8 @@ reports its node's free memory as the limit instead of failing on its
 ``gpu_memory_utilization`` reservation.
 """
 
-from vllm_kvmem.intree.edits import Edit, NewFile
-from vllm_kvmem.intree.series import FILES, InTreePatch
+from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "kv_cache_tokens"
 
