@@ -15,20 +15,24 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from vllm_kvmem.core import units
-
 ADDITIONAL_CONFIG_KEY = "kvmem"
 
 
 def parse_size(value: Any) -> Any:
-    """Accept vLLM's human-readable integers ("400k", "5G") where ints go.
+    """Accept vLLM's human-readable integers ("400k", "5G") where ints go,
+    parsed by vLLM's own ``human_readable_int`` (the planner, which runs
+    without vLLM, uses ``core.units.parse_size``, held equal to it by a test).
 
     Strings only: pydantic checks everything else strictly as an int.
     """
     if isinstance(value, str):
+        from argparse import ArgumentTypeError
+
+        from vllm.utils.argparse_utils import human_readable_int
+
         try:
-            return units.parse_size(value)
-        except ValueError as e:
+            return human_readable_int(value)
+        except (ArgumentTypeError, ValueError) as e:
             raise ValueError(
                 f"not a size: {value!r} (use e.g. 400000, 400k, 512K)"
             ) from e
