@@ -187,3 +187,24 @@ def test_model_the_tier_cannot_serve_is_refused_before_vllm_builds_its_config(
         cfg.scheduler_config.disable_hybrid_kv_cache_manager
         == plain.scheduler_config.disable_hybrid_kv_cache_manager
     )
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"num_host_block": 8}, r"unknown keys \['num_host_block'\].*num_host_blocks"),
+        ({"eviction_policy": "lfu"}, r"\['eviction_policy'\]='lfu'; use one of"),
+        ({"late_spill": "keep"}, r"\['late_spill'\]='keep'; use one of"),
+        ({"num_host_blocks": -1}, r"\['num_host_blocks'\]=-1; use a non-negative"),
+        ({"step_bytes": "1G"}, r"\['step_bytes'\]='1G'; use a non-negative"),
+        ({"verify": "yes"}, r"\['verify'\]='yes'; use true or false"),
+    ],
+)
+def test_bad_connector_extra_config_is_refused_by_name(extra, message):
+    """The connector named directly (kv_connector_extra_config): every bad key
+    or value is an error that names it and what would work."""
+    from vllm_kvmem.host_tier.config import HostTierConfig
+
+    with pytest.raises(ValueError, match=message):
+        HostTierConfig.from_extra_config(extra)
+    assert HostTierConfig.from_extra_config({"num_host_blocks": 8}).num_host_blocks == 8
