@@ -6,11 +6,11 @@
   bytes per block), the KV cache layout is BLHNC (the host tier's connector
   asks for it and CPU_ATTN accepts it), and a second pass over documents that
   fill twice the device cache hits the host tier with identical greedy tokens.
-- One stage with ``--kv-cache-tokens 3000``: exactly the blocks those tokens
-  need beside vLLM's null block, as vLLM counts capacity.
 
-Both check the startup capacity table: exactly one is logged, and its cells
-are the ranks' own figures.
+It checks the startup capacity table: exactly one is logged, and its cells
+are the ranks' own figures. (The token budget's engine test is the in-tree
+series' own, ``tests/v1/e2e/test_kv_cache_budget_engine.py``, which runs with
+the plugin too: tests/test_intree_engines.py.)
 
 The model is a small local checkpoint named by ``KV_MEM_TEST_MODEL``; with
 ``KV_MEM_TEST_REPORT`` naming a folder, each test writes what it measured to
@@ -248,37 +248,3 @@ def test_pp_prop_budget_layout_and_host_tier(
     assert second["token_ids"] == first["token_ids"]
     assert sum(second["cached"]) >= 4 * max(1, sum(first["cached"]))
     assert "Host KV tier: " in output
-
-
-# ------------------------------------------- single stage, token budget
-
-TOKENS = 3000
-
-
-def test_kv_cache_tokens_sizes_the_cache(
-    request, monkeypatch, model, engine_env, capfd
-):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    llm = start(
-        model=model,
-        kv_cache_tokens=TOKENS,
-        max_model_len=2048,
-        max_num_seqs=2,
-        enforce_eager=True,
-    )
-    rounds = generate(llm, ["The KV cache"], rounds=1)
-    ranks = ranks_of(llm)
-    output = engine_output(capfd)
-    tables = capacity_tables(output)
-    write_report(request, ranks=ranks, rounds=rounds, capacity_tables=tables)
-
-    # Exactly the blocks the tokens need, as vLLM counts capacity.
-    (rank,) = ranks
-    # Every token asked for is usable (all blocks but vLLM's null block), and
-    # one block fewer would not hold them.
-    usable = rank["tokens_one_block_less"]
-    block = rank["tokens"] - usable
-    assert usable - block < TOKENS <= usable
-    (table,) = tables
-    assert f"--kv-cache-tokens {TOKENS:,}" in table[0], table
-    assert_table_agrees(table, ranks)

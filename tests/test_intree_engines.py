@@ -1,21 +1,24 @@
-"""The in-tree series' engine tests: the branch with no plugin, and the plugin
-on unmodified vLLM, give the same results, on vLLM 0.32 and on 0.33.
+"""The in-tree series' engine tests: on vLLM 0.32 the branch with no plugin
+and the plugin on unmodified vLLM give the same results; on vLLM 0.33 the
+0.33 series passes the same tests with no plugin and gives what the 0.32
+branch gives.
 
 The series adds its engine tests in vLLM's layout (``tests/v1/e2e/``), on a
 model named as vLLM's tests name it (``hmellor/tiny-random-LlamaForCausalLM``);
 here that name resolves, offline, to this project's random-weight tiny model
-in a local Hugging Face cache. Each engine test runs twice per release, each
-time in its own ``python -m pytest`` process:
+in a local Hugging Face cache. Each run is its own ``python -m pytest``
+process:
 
 - in-tree: the series' file on a copy of the release's vLLM with the series
   applied, no plugin (``VLLM_PLUGINS=""`` and a ``vllm_kvmem`` that raises on
-  import first on the path);
-- plugin: the same file (as the series leaves it), on the release's
-  unmodified vLLM with vllm-kvmem loaded through its entry point.
+  import first on the path), on 0.32 and on 0.33;
+- plugin: the same file (as the series leaves it), on unmodified vLLM 0.32
+  with vllm-kvmem loaded through its entry point (the plugin on 0.33 runs
+  the project's own engine tests, ``test_vllm033_engine.py``).
 
-Both must pass their own checks, and the reports they write
+Every run must pass its own checks, and the reports they write
 (``KV_CACHE_TEST_REPORT``: per-rank layers, blocks, page and KV bytes,
-capacity, greedy tokens) must be equal field by field.
+capacity, layout, greedy and cached tokens) must be equal field by field.
 """
 
 from __future__ import annotations
@@ -63,16 +66,10 @@ def hf_cache(tmp_path_factory, model_8l) -> Path:
     return cache
 
 
-@pytest.fixture(scope="module", params=["0.32", "0.33"])
-def release(request, tmp_path_factory, hf_cache):
+def _release(series: str, python: str, src: Path, tmp_path_factory, hf_cache) -> dict:
     """A release's interpreter, its vLLM with the series applied, and the
     environments of the in-tree and the plugin runs."""
-    if request.param == "0.32":
-        python, src = sys.executable, intree.installed_vllm_root()
-    else:
-        python = request.getfixturevalue("vllm033_python")
-        src = site_033()
-    tmp = tmp_path_factory.mktemp(f"intree{request.param.replace('.', '')}")
+    tmp = tmp_path_factory.mktemp(f"intree{series.replace('.', '')}")
     _version, files = intree.write_series(tmp / "series", src)
     copy = intree.copy_tree(src, tmp / "vllm")
     intree.apply_series(copy, files)
@@ -80,7 +77,7 @@ def release(request, tmp_path_factory, hf_cache):
     hf = dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hf_cache))
     base = {k: v for k, v in engine_env(**hf).items() if k != "VLLM_PLUGINS"}
     return dict(
-        series=request.param,
+        series=series,
         python=python,
         copy=copy,
         intree_env={
@@ -93,48 +90,72 @@ def release(request, tmp_path_factory, hf_cache):
     )
 
 
-def _run(python: str, file: Path, test: str, env: dict, cwd: Path, out: Path) -> dict:
-    env = {**env, "KV_CACHE_TEST_REPORT": str(out)}
-    run_pytest(python, [f"{file}::{test}"], env, cwd)
-    return json.loads((out / f"{test}.json").read_text())
+@pytest.fixture(scope="module")
+def release_032(tmp_path_factory, hf_cache) -> dict:
+    src = intree.installed_vllm_root()
+    return _release("0.32", sys.executable, src, tmp_path_factory, hf_cache)
 
 
-_RUNS: dict[tuple[str, str], dict[str, Any]] = {}
+@pytest.fixture(scope="module")
+def release_033(vllm033_python, tmp_path_factory, hf_cache) -> dict:
+    return _release("0.33", vllm033_python, site_033(), tmp_path_factory, hf_cache)
 
 
 @pytest.fixture(scope="module", params=list(ENGINE_TESTS))
-def runs(request, release) -> dict[str, Any]:
-    path, test = ENGINE_TESTS[request.param]
-    key = (release["series"], request.param)
+def engine_test(request) -> str:
+    return request.param
+
+
+_RUNS: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+
+def _report(r: dict, name: str, form: str) -> dict[str, Any]:
+    """The report of engine test ``name`` on release ``r``, ``form`` being
+    "in-tree" (the branch, no plugin) or "plugin" (unmodified vLLM); one run
+    each per session."""
+    key = (r["series"], name, form)
     if key not in _RUNS:
-        r = release
-        _RUNS[key] = {
-            "in-tree": _run(
-                r["python"],
-                r["copy"] / path,
-                test,
-                r["intree_env"],
-                r["copy"],
-                r["reports"] / f"intree-{request.param}",
-            ),
-            "plugin": _run(
-                r["python"],
-                r["copy"] / path,
-                test,
-                r["plugin_env"],
-                ROOT,
-                r["reports"] / f"plugin-{request.param}",
-            ),
-        }
+        path, test = ENGINE_TESTS[name]
+        intree_form = form == "in-tree"
+        env = {**r["intree_env" if intree_form else "plugin_env"]}
+        out = r["reports"] / f"{form}-{name}"
+        env["KV_CACHE_TEST_REPORT"] = str(out)
+        run_pytest(
+            r["python"],
+            [f"{r['copy'] / path}::{test}"],
+            env,
+            r["copy"] if intree_form else ROOT,
+        )
+        _RUNS[key] = json.loads((out / f"{test}.json").read_text())
     return _RUNS[key]
 
 
-@pytest.mark.engine
-def test_the_branch_without_plugin_equals_the_plugin(runs):
-    a, b = runs["in-tree"], runs["plugin"]
+def _assert_equal(a: dict, b: dict, names: tuple[str, str]) -> None:
     diffs = [
-        f"{k}: in-tree {a.get(k)!r}, plugin {b.get(k)!r}"
+        f"{k}: {names[0]} {a.get(k)!r}, {names[1]} {b.get(k)!r}"
         for k in sorted(set(a) | set(b))
         if a.get(k) != b.get(k)
     ]
     assert not diffs, "\n".join(diffs)
+
+
+@pytest.mark.engine
+def test_the_branch_without_plugin_equals_the_plugin(release_032, engine_test):
+    """vLLM 0.32: the branch with no plugin and the plugin on unmodified vLLM."""
+    _assert_equal(
+        _report(release_032, engine_test, "in-tree"),
+        _report(release_032, engine_test, "plugin"),
+        ("in-tree", "plugin"),
+    )
+
+
+@pytest.mark.engine
+def test_the_033_branch_equals_the_032_branch(release_032, release_033, engine_test):
+    """vLLM 0.33: the 0.33 series passes the same engine test with no plugin
+    (its own checks ran in its process) and measures what the 0.32 branch
+    measures, field by field (the plugin on 0.33 is test_vllm033_engine's)."""
+    _assert_equal(
+        _report(release_033, engine_test, "in-tree"),
+        _report(release_032, engine_test, "in-tree"),
+        ("0.33 branch", "0.32 branch"),
+    )

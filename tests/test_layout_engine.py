@@ -59,11 +59,11 @@ def _run(model, block_size, connector=None, multiprocess="0"):
     )
 
 
-@pytest.mark.parametrize("block_size", [32, 128])
-def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size):
+def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size=128):
     """The engine with the connector runs its core in its own process (the
     layout is resolved there and adopted by the worker); the baseline, with no
-    connector, in-process and on vLLM's layout."""
+    connector, in-process and on vLLM's layout. Other shapes and dtypes are
+    the in-tree CPU patch's kernel tests (test_intree)."""
     base = _run(model_8l, block_size)
     contiguous = _run(model_8l, block_size, REQUIRES_BLHNC, multiprocess="1")
     assert base.returncode == 0, base.log[-4000:]
