@@ -513,6 +513,17 @@ def run_client(argv: list[str], log_path: Path, timeout_s: int) -> dict[str, Any
         signal.signal(signal.SIGALRM, old)
 
 
+def raise_on_failures(
+    result: dict[str, Any], summary: dict[str, Any], record: dict[str, Any]
+) -> None:
+    """Keep the first errors of vLLM's client ``result`` in ``record`` and
+    raise when any request failed (the run is then recorded as an error)."""
+    errors = [e for e in result.get("errors") or [] if e]
+    if summary["failed"] or errors:
+        record["errors"] = errors[:5]
+        raise RuntimeError(f"{summary['failed']} failed requests")
+
+
 def summarize_client(result: dict[str, Any]) -> dict[str, Any]:
     s = {ours: result.get(theirs) for theirs, ours in CLIENT_FIGURES}
     s["completed"] = result.get("completed")
@@ -913,10 +924,7 @@ def main(argv: list[str] | None = None) -> int:
                         run["texts"] = texts
                         run["text_digest"] = _text_digest(texts or [])
                         run["input_lens"] = result.get("input_lens")
-                        errors = [e for e in result.get("errors") or [] if e]
-                        if s["failed"] or errors:
-                            run["errors"] = errors[:5]
-                            raise RuntimeError(f"{s['failed']} failed requests")
+                        raise_on_failures(result, s, run)
                         run["summary"] = s
                     except Exception as e:  # recorded; the sweep goes on
                         run["error"] = f"{type(e).__name__}: {e}"

@@ -408,7 +408,14 @@ def _fields(run: Run) -> dict[str, Any]:
 def assert_runs_equal(a: Run, b: Run, names: tuple[str, str]) -> None:
     """Two runs of one engine test are equal field by field; a failure names
     every field that differs, with both values."""
-    fa, fb = _fields(a), _fields(b)
+    assert_fields_equal(_fields(a), _fields(b), names)
+
+
+def assert_fields_equal(
+    fa: dict[str, Any], fb: dict[str, Any], names: tuple[str, str]
+) -> None:
+    """Two reports are equal key by key; a failure names every key that
+    differs, with both values."""
     width = max(map(len, names))
     diffs = []
     for k in [*fa, *(k for k in fb if k not in fa)]:

@@ -33,7 +33,14 @@ from typing import Any
 import pytest
 
 from kvmem_tools.intree import series as intree
-from tests.helpers import ROOT, engine_env, no_plugin_shim, run_pytest, site_033
+from tests.helpers import (
+    ROOT,
+    assert_fields_equal,
+    engine_env,
+    no_plugin_shim,
+    run_pytest,
+    site_033,
+)
 
 MODEL_ID = "hmellor/tiny-random-LlamaForCausalLM"
 #: Engine tests of the series: (file in vLLM's tree, test).
@@ -130,19 +137,10 @@ def _report(r: dict, name: str, form: str) -> dict[str, Any]:
     return _RUNS[key]
 
 
-def _assert_equal(a: dict, b: dict, names: tuple[str, str]) -> None:
-    diffs = [
-        f"{k}: {names[0]} {a.get(k)!r}, {names[1]} {b.get(k)!r}"
-        for k in sorted(set(a) | set(b))
-        if a.get(k) != b.get(k)
-    ]
-    assert not diffs, "\n".join(diffs)
-
-
 @pytest.mark.engine
 def test_the_branch_without_plugin_equals_the_plugin(release_032, engine_test):
     """vLLM 0.32: the branch with no plugin and the plugin on unmodified vLLM."""
-    _assert_equal(
+    assert_fields_equal(
         _report(release_032, engine_test, "in-tree"),
         _report(release_032, engine_test, "plugin"),
         ("in-tree", "plugin"),
@@ -154,7 +152,7 @@ def test_the_033_branch_equals_the_032_branch(release_032, release_033, engine_t
     """vLLM 0.33: the 0.33 series passes the same engine test with no plugin
     (its own checks ran in its process) and measures what the 0.32 branch
     measures, field by field (the plugin on 0.33 is test_vllm033_engine's)."""
-    _assert_equal(
+    assert_fields_equal(
         _report(release_033, engine_test, "in-tree"),
         _report(release_032, engine_test, "in-tree"),
         ("0.33 branch", "0.32 branch"),

@@ -314,21 +314,6 @@ def reserved_bytes(kv_cache_config: Any) -> int:
     return max((t.size for t in kv_cache_config.kv_cache_tensors), default=0)
 
 
-# ---------------------------------------------------------------- host slots
-
-
-def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
-    """Each layer's KV cache spec, as its group holds it (one spec for the
-    whole group, or one per layer in a ``UniformTypeKVCacheSpecs``)."""
-    out: dict[str, Any] = {}
-    for g in kv_cache_config.kv_cache_groups:
-        spec = g.kv_cache_spec
-        per_layer = getattr(spec, "kv_cache_specs", None)
-        for name in g.layer_names:
-            out[name] = per_layer[name] if per_layer else spec
-    return out
-
-
 # ---------------------------------------------------------------- devices
 
 

@@ -605,10 +605,7 @@ class AB:
             rec["server_metrics_delta"] = delta
             rec["texts"] = result.get("generated_texts")
             rec["input_lens"] = result.get("input_lens")
-            errors = [e for e in result.get("errors") or [] if e]
-            if s["failed"] or errors:
-                rec["errors"] = errors[:5]
-                raise RuntimeError(f"{s['failed']} failed requests")
+            sb.raise_on_failures(result, s, rec)
             rec["summary"] = s
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"

@@ -118,6 +118,12 @@ def _clear_cuda_error(cudart: Any, err: int) -> None:
     clear()
 
 
+def _round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple (this module imports no vLLM, so
+    not ``vllm.utils.math_utils.round_up``)."""
+    return -(-value // multiple) * multiple
+
+
 def _page_aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``nbytes`` of host memory on whole pages that no other allocation shares.
 
@@ -126,7 +132,7 @@ def _page_aligned_empty(nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     pool sharing a page with another pinned buffer would fail to pin.
     """
     page = mmap.PAGESIZE
-    span = -(-nbytes // page) * page
+    span = _round_up(nbytes, page)
     owner = torch.empty(span + page, dtype=torch.uint8)
     start = -owner.data_ptr() % page
     return owner[start : start + nbytes], owner, span
@@ -226,7 +232,7 @@ def _populate_write(tensor: torch.Tensor) -> bool:
     """
     page = mmap.PAGESIZE
     ptr = tensor.data_ptr()
-    start = -(-ptr // page) * page
+    start = _round_up(ptr, page)
     end = (ptr + tensor.numel() * tensor.element_size()) // page * page
     if end <= start:
         return True
