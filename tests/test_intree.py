@@ -169,26 +169,24 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
             for c in changes
             if c.path.startswith("tests/") and not c.path.startswith("tests/v1/e2e/")
         ]
-        code = "import importlib, vllm\n" + "".join(
+        # One process a patch: the imports first (a failure exits 1 before
+        # pytest starts, with its traceback), then the tests.
+        pytest_args = ["-q", "-p", "no:cacheprovider", "--rootdir", str(copy), *tests]
+        code = "import importlib, sys, vllm\n" + "".join(
             f"importlib.import_module({m!r})\n" for m in modules
         )
         code += f"assert vllm.__file__.startswith({str(copy)!r}), vllm.__file__\n"
+        code += f"import pytest\nsys.exit(pytest.main({pytest_args!r}))\n"
         done = subprocess.run(
-            [release["python"], "-c", code], env=env, capture_output=True, text=True
-        )
-        assert done.returncode == 0, (patch.name, done.stderr[-3000:])
-        done = subprocess.run(
-            [
-                *(release["python"], "-m", "pytest", "-q", "-p", "no:cacheprovider"),
-                *("--rootdir", str(copy), *tests),
-            ],
+            [release["python"], "-c", code],
             cwd=copy,
             env=env,
             capture_output=True,
             text=True,
             timeout=600,
         )
-        assert done.returncode == 0, (patch.name, done.stdout[-4000:])
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, (patch.name, output[-4000:])
         assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
 
 

@@ -6,8 +6,8 @@ branch gives.
 The series adds its engine tests in vLLM's layout (``tests/v1/e2e/``), on a
 model named as vLLM's tests name it (``hmellor/tiny-random-LlamaForCausalLM``);
 here that name resolves, offline, to this project's random-weight tiny model
-in a local Hugging Face cache. Each run is its own ``python -m pytest``
-process:
+in a local Hugging Face cache. The engine tests of one file run in one
+``python -m pytest`` process, per release and form:
 
 - in-tree: the series' file on a copy of the release's vLLM with the series
   applied, no plugin (``VLLM_PLUGINS=""`` and a ``vllm_kvmem`` that raises on
@@ -118,22 +118,26 @@ _RUNS: dict[tuple[str, str, str], dict[str, Any]] = {}
 
 def _report(r: dict, name: str, form: str) -> dict[str, Any]:
     """The report of engine test ``name`` on release ``r``, ``form`` being
-    "in-tree" (the branch, no plugin) or "plugin" (unmodified vLLM); one run
-    each per session."""
+    "in-tree" (the branch, no plugin) or "plugin" (unmodified vLLM). The
+    engine tests of one file run in one process (as vLLM's CI runs them),
+    once per release and form per session."""
     key = (r["series"], name, form)
     if key not in _RUNS:
-        path, test = ENGINE_TESTS[name]
+        path = ENGINE_TESTS[name][0]
+        same_file = [n for n, (p, _t) in ENGINE_TESTS.items() if p == path]
         intree_form = form == "in-tree"
         env = {**r["intree_env" if intree_form else "plugin_env"]}
-        out = r["reports"] / f"{form}-{name}"
+        out = r["reports"] / f"{form}-{Path(path).stem}"
         env["KV_CACHE_TEST_REPORT"] = str(out)
         run_pytest(
             r["python"],
-            [f"{r['copy'] / path}::{test}"],
+            [f"{r['copy'] / path}::{ENGINE_TESTS[n][1]}" for n in same_file],
             env,
             r["copy"] if intree_form else ROOT,
         )
-        _RUNS[key] = json.loads((out / f"{test}.json").read_text())
+        for n in same_file:
+            report = out / f"{ENGINE_TESTS[n][1]}.json"
+            _RUNS[(r["series"], n, form)] = json.loads(report.read_text())
     return _RUNS[key]
 
 
