@@ -16,6 +16,7 @@ No network, nothing downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -317,27 +318,44 @@ def test_estimates_and_report(fetch, tree):
     machine = fetch.parse_machine_packages(MACHINE)
     rows_by_plan = {p: fetch.plan_diff(tree, machine, p) for p in fetch.PLANS}
     sizes = {"vllm": 300 * fetch.MIB, "torch": 500 * fetch.MIB}
-    report = fetch.build_report(
-        rows_by_plan,
-        sizes,
-        piece_bytes=60 * fetch.MIB,
-        model=model,
-        meta={
-            "created": "t",
-            "targets": ["vllm==0.32.0"],
-            "resolver_python": "3.12.1",
-            "pip_version": "x",
-            "machine_list": "m",
-            "command": "c",
-        },
-        notes=["a note"],
-    )
+
+    def report_for(model):
+        return fetch.build_report(
+            rows_by_plan,
+            sizes,
+            piece_bytes=60 * fetch.MIB,
+            model=model,
+            meta={
+                "created": "t",
+                "targets": ["vllm==0.32.0"],
+                "resolver_python": "3.12.1",
+                "pip_version": "x",
+                "machine_list": "m",
+                "command": "c",
+            },
+            notes=["a note"],
+        )
+
+    report = report_for(model)
     json.dumps(report)  # JSON-able
     assert report["plans"]["core"]["estimate"]["calls"] == 14  # 800 MiB / 60
-    assert report["chosen"] == "full"  # the most complete plan that fits
+    # 14 piece calls do not fit 15 device minutes; vLLM alone (5) does.
+    assert not report["plans"]["core"]["estimate"]["fits_with_stage1"]
+    assert report["chosen"] == "torch211"
     text = fetch.render_markdown(report)
-    assert "**Chosen plan: `full`.**" in text and "- a note" in text
+    assert "**Chosen plan: `torch211`.**" in text and "- a note" in text
     assert "| torch | 2.13.0 | 2.11.0 | torch | 500.0 |" in text
+    assert "fits 15 min" in text and "15 device minutes per session" in text
+    # With 30 device minutes, the most complete plan that fits.
+    wide = report_for(dataclasses.replace(model, device_budget_s=30 * 60.0))
+    assert wide["chosen"] == "full"
+    assert "fits 30 min" in fetch.render_markdown(wide)
+
+
+def test_the_device_time_model_takes_item_g_from_the_ab_script(fetch, ab):
+    """Stage 2's first run in the model is issue 30's A/B, timed by
+    ab_offload.py's own estimate for its default arms."""
+    assert fetch.CallModel().stage2_runs_s == ab.estimate_s(ab.parse_args([]))
 
 
 def test_committed_size_report_is_consistent(fetch):
@@ -347,6 +365,10 @@ def test_committed_size_report_is_consistent(fetch):
     assert report["chosen"] in fetch.PLANS
     full = report["plans"]["full"]["estimate"]
     assert full["mib"] > report["plans"][report["chosen"]]["estimate"]["mib"]
+    # Written with today's device limits, and its choice fits them.
+    assert report["call_model"] == dataclasses.asdict(fetch.CallModel())
+    assert report["plans"][report["chosen"]]["estimate"]["fits_with_stage1"]
+    assert report["pieces"]["plan"] == report["chosen"]
     assert (GPU / "size_report.md").read_text().startswith("# Wheels for vLLM")
 
 
@@ -388,12 +410,42 @@ def test_stage1_dry_run(tmp_path):
 def test_stage2_dry_run(tmp_path):
     proc = _run("stage2.sh", tmp_path, "--dry-run", "--items", "ae")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    # The plan that fits a 15-minute session is the default.
+    assert "vLLM 0.32.0 plan torch211 items ae" in proc.stdout
+    bad = _run("stage2.sh", tmp_path, "--dry-run", "--plan", "lean")
+    assert bad.returncode == 2 and "--plan lean: torch211 or core" in bad.stdout
     plan = json.loads((tmp_path / "stage2_plan.json").read_text())
     assert set(plan["items"]) == {"a", "e"}
     assert all(plan["items"].values())
     assert "UNVERIFIED" in (GPU / "stage2.sh").read_text()
     bad = _run("stage2.sh", tmp_path, "--dry-run", "--items", "az")
     assert bad.returncode != 0 and "unknown items" in bad.stdout + bad.stderr
+
+
+def test_rehearsal_of_torch211_refuses_without_its_pieces(tmp_path):
+    env = dict(os.environ, PIECES=str(tmp_path / "none"))
+    proc = subprocess.run(
+        ["bash", str(GPU / "rehearse_torch211.sh"), str(tmp_path / "work")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "run scripts/gpu/fetch_wheels.py first" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def rehearse():
+    yield from import_script(GPU / "rehearse_torch211.py")
+
+
+def test_rehearsal_of_torch211_names_modules_vllm_032_has(rehearse):
+    """The rehearsal's import list (run against the CUDA wheel, not here):
+    every Python module in it exists in vLLM 0.32 (the CPU build ships the
+    same Python; the compiled extensions are the CUDA wheel's alone)."""
+    import importlib.util
+
+    python = [m for m in rehearse.MODULES if not m.endswith("_C_stable_libtorch")]
+    assert len(python) == len(rehearse.MODULES) - 2
+    assert [m for m in python if importlib.util.find_spec(m) is None] == []
 
 
 # -- issue 30's A/B (ab_offload.py): plan and figures, no engine -------------------

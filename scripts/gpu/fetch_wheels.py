@@ -20,7 +20,7 @@ network: wheels reach it only inside a device call, 64 MiB per call. So:
    checked against the sha256 that the resolution reported;
 4. each plan (:data:`PLANS`: everything, or torch without the CUDA libraries
    over the machine's own, ...) gets a size line; the chosen plan's wheels
-   are cut into pieces of at most 60 MiB (``pieces.py``), one folder each;
+   are cut into pieces of at most 58 MiB (``pieces.py``), one folder each;
 5. a size report (``size_report.md`` and ``.json``) says how many calls and
    device minutes each plan needs, and whether it fits.
 
@@ -483,18 +483,21 @@ class CallModel:
 
     Defaults are assumptions, not readings (no call has been timed here):
     a cold start "a minute or more" (device README), a call carrying one
-    60 MiB piece about 30 s (sending ~63 MiB, the command checking the
+    58 MiB piece about 30 s (sending ~62 MiB, the command checking the
     piece, and the idle seconds while the session prepares the next call,
     which count as device time), pip installing from local wheels about
-    30 s per GiB plus 30 s."""
+    30 s per GiB plus 30 s. Stage 2's first run is item g, issue 30's A/B
+    (``ab_offload.py``'s own estimate for three arms); items a-f need a
+    session of their own. Limits as the device README gives them since
+    2026-11-25: 15 device minutes per session, all calls together."""
 
     cold_start_s: float = 90.0
     per_piece_call_s: float = 30.0
     install_s_per_gib: float = 30.0
     install_fixed_s: float = 30.0
-    stage1_s: float = 300.0  # one call: tests + transfer bench, start excluded
-    stage2_runs_s: float = 600.0  # the engines of items a-e (~12 starts)
-    device_budget_s: float = 30 * 60.0
+    stage1_s: float = 150.0  # one call: tests + transfer bench, start excluded
+    stage2_runs_s: float = 360.0  # item g: three servers, probes, 12 runs
+    device_budget_s: float = 15 * 60.0
     hold_limit_s: float = 30 * 60.0
 
 
@@ -636,6 +639,7 @@ def _short(status: str) -> str:
 def render_markdown(report: Mapping) -> str:
     """The committed size report, from the JSON one."""
     model = report["call_model"]
+    budget_min = f"{min(model['device_budget_s'], model['hold_limit_s']) / 60:.0f}"
     full = report["plans"]["full"]["rows"]
     in_plan = {
         plan: {r["name"] for r in info["rows"] if r["status"].startswith("carry")}
@@ -660,8 +664,9 @@ def render_markdown(report: Mapping) -> str:
         "",
         "## Plans",
         "",
-        "| plan | what | wheels | MiB | calls (60 MiB each) | stage 2 device min "
-        "| stage 1 + 2 in one hold | fits 30 min |",
+        "| plan | what | wheels | MiB | "
+        f"calls ({report['piece_bytes'] // MIB} MiB each) | stage 2 device min "
+        f"| stage 1 + 2 in one hold | fits {budget_min} min |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for plan, info in report["plans"].items():
@@ -678,13 +683,15 @@ def render_markdown(report: Mapping) -> str:
         "Device-time model (assumptions, not readings; `CallModel` in the "
         f"script): cold start {model['cold_start_s']:.0f} s; each call that "
         f"carries one piece {model['per_piece_call_s']:.0f} s (sending about "
-        "63 MiB, checking the piece, and the idle seconds until the "
+        f"{report['piece_bytes'] // MIB + 4} MiB, checking the piece, and the "
+        "idle seconds until the "
         "session's next call, which count as device time); pip install "
         f"{model['install_s_per_gib']:.0f} s per GiB + "
         f"{model['install_fixed_s']:.0f} s; stage 1 "
-        f"{model['stage1_s'] / 60:.0f} min; stage 2's engine runs "
-        f"{model['stage2_runs_s'] / 60:.0f} min. Limits: 30 device minutes "
-        "per session, a machine held 30 minutes at most, and every piece "
+        f"{model['stage1_s'] / 60:.1f} min; stage 2's engine runs "
+        f"{model['stage2_runs_s'] / 60:.0f} min (item g, the A/B). Limits: "
+        f"{budget_min} device minutes per session, a machine held "
+        f"{model['hold_limit_s'] / 60:.0f} minutes at most, and every piece "
         "must arrive within one hold (a machine given back comes back bare).",
         "",
     ]
@@ -785,9 +792,11 @@ def build_report(
         f"hold about {est['stage1_and_2_min']}."
     )
     if not est["fits_with_stage1"]:
+        budget_min = min(model.device_budget_s, model.hold_limit_s) / 60
         why += (
-            " Even this does not fit after stage 1 in one 30-minute hold: run "
-            "stage 2 in a session of its own, carrying the pieces first."
+            f" Even this does not fit after stage 1 in {budget_min:.0f} device "
+            "minutes: run stage 2 in a session of its own, carrying the "
+            "pieces first."
         )
     return {
         **meta,
@@ -898,8 +907,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "resolver_python": report["environment"]["python_full_version"],
         "pip_version": pip_version(python),
         "machine_list": _rel(args.machine_packages),
-        "command": "python scripts/gpu/fetch_wheels.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(
+            [
+                "python scripts/gpu/fetch_wheels.py",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
     }
     out = build_report(
         rows_by_plan,

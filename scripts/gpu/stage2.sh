@@ -17,17 +17,19 @@
 #   ab_offload_h100.json  item g's figures, GPU-labelled (named after the GPU)
 #
 # Usage (repository root):
-#   bash scripts/gpu/stage2.sh [--vllm 0.32.0|0.33.0] [--plan core|torch211] [--items abcde]
+#   bash scripts/gpu/stage2.sh [--vllm 0.32.0|0.33.0] [--plan torch211|core] [--items abcde]
 #   bash scripts/gpu/stage2.sh --items g [--ab-args '--arms none,tier,simple_lazy,offloading']
 #   bash scripts/gpu/stage2.sh --dry-run     # anywhere: plan and checks only
 #
 # --vllm picks the release: its pieces come from .gpu-wheels (0.32.0) or
 # .gpu-wheels-VERSION (fetch_wheels.py --vllm VERSION; 0.33.0 carries torch
-# 2.14.0), and install into their own .gpu-site(-VERSION).
+# 2.14.0), and install into their own .gpu-site(-VERSION). --plan is the
+# size report's: torch211 (the default, the one plan that fits a 15-minute
+# session) from its own pieces, or from the head of the core plan's stream.
 set -u
 cd "$(dirname "$0")/../.."
 
-DRY=0 PLAN=core ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS=
+DRY=0 PLAN=torch211 ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS=
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -39,9 +41,10 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-# torch211: vLLM on the machine's own torch 2.11; its wheels come first in
-# the stream, so they install from the pieces that have arrived.
-[ "$PLAN" = torch211 ] && PARTIAL=--partial
+case $PLAN in
+    torch211|core) ;;
+    *) echo "--plan $PLAN: torch211 or core (scripts/gpu/size_report.md)"; exit 2 ;;
+esac
 case $VLLM in
     0.32.0) SUFFIX= ;;
     0.33.0) SUFFIX=-$VLLM ;;
@@ -49,7 +52,12 @@ case $VLLM in
 esac
 . scripts/gpu/out_and_python.sh
 SITE=$PWD/.gpu-site$SUFFIX
-PIECES=.gpu-wheels$SUFFIX/core
+PIECES=.gpu-wheels$SUFFIX/$PLAN
+if [ "$PLAN" = torch211 ] && [ ! -d "$PIECES" ]; then
+    # vLLM on the machine's own torch 2.11 from the core plan's pieces: its
+    # wheels come first in that stream, so they install from those arrived.
+    PIECES=.gpu-wheels$SUFFIX/core PARTIAL=--partial
+fi
 exec > >(tee -a "$OUT/stage2.log") 2>&1
 echo "stage 2 $( [ "$DRY" = 1 ] && echo DRY RUN ) vLLM $VLLM plan $PLAN items $ITEMS at $(date -u +%FT%TZ)"
 
@@ -71,13 +79,8 @@ if [ "$PLAN" = torch211 ]; then
     rm -rf "$SITE"/torch "$SITE"/torch-*.dist-info "$SITE"/torchvision* "$SITE"/nvidia*
 fi
 
-# The plugin's entry point, as an editable install would declare it; the code
-# itself comes from this checkout (on PYTHONPATH).
-DIST=$SITE/vllm_kvmem-0.1.0.dist-info
-mkdir -p "$DIST"
-printf 'Metadata-Version: 2.1\nName: vllm-kvmem\nVersion: 0.1.0\n' >"$DIST/METADATA"
-printf '[vllm.general_plugins]\nkvmem = vllm_kvmem.plugin:register\n\n[console_scripts]\nkvmem = vllm_kvmem.cli:main\n' \
-    >"$DIST/entry_points.txt"
+. scripts/gpu/plugin_dist_info.sh
+write_plugin_dist_info "$SITE"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 
 "$PY" scripts/gpu/install_pieces.py check --target "$SITE" --out "$OUT/install_check.json"
