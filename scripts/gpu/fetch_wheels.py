@@ -500,6 +500,11 @@ class CallModel:
     device_budget_s: float = 15 * 60.0
     hold_limit_s: float = 30 * 60.0
 
+    @property
+    def limit_s(self) -> float:
+        """What a plan may spend: the session's device time, in one hold."""
+        return min(self.device_budget_s, self.hold_limit_s)
+
 
 def estimate(total_bytes: int, piece_bytes: int, model: CallModel) -> dict:
     """Calls and device minutes to carry, install and run stage 2, alone and
@@ -518,8 +523,8 @@ def estimate(total_bytes: int, piece_bytes: int, model: CallModel) -> dict:
         "install_min": round(install_s / 60, 1),
         "stage2_min": round(stage2_s / 60, 1),
         "stage1_and_2_min": round(both_s / 60, 1),
-        "fits_stage2_alone": stage2_s <= min(model.device_budget_s, model.hold_limit_s),
-        "fits_with_stage1": both_s <= min(model.device_budget_s, model.hold_limit_s),
+        "fits_stage2_alone": stage2_s <= model.limit_s,
+        "fits_with_stage1": both_s <= model.limit_s,
     }
 
 
@@ -639,7 +644,7 @@ def _short(status: str) -> str:
 def render_markdown(report: Mapping) -> str:
     """The committed size report, from the JSON one."""
     model = report["call_model"]
-    budget_min = f"{min(model['device_budget_s'], model['hold_limit_s']) / 60:.0f}"
+    limit_min = f"{CallModel(**model).limit_s / 60:.0f}"
     full = report["plans"]["full"]["rows"]
     in_plan = {
         plan: {r["name"] for r in info["rows"] if r["status"].startswith("carry")}
@@ -666,7 +671,7 @@ def render_markdown(report: Mapping) -> str:
         "",
         "| plan | what | wheels | MiB | "
         f"calls ({report['piece_bytes'] // MIB} MiB each) | stage 2 device min "
-        f"| stage 1 + 2 in one hold | fits {budget_min} min |",
+        f"| stage 1 + 2 in one hold | fits {limit_min} min |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for plan, info in report["plans"].items():
@@ -690,7 +695,8 @@ def render_markdown(report: Mapping) -> str:
         f"{model['install_fixed_s']:.0f} s; stage 1 "
         f"{model['stage1_s'] / 60:.1f} min; stage 2's engine runs "
         f"{model['stage2_runs_s'] / 60:.0f} min (item g, the A/B). Limits: "
-        f"{budget_min} device minutes per session, a machine held "
+        f"{model['device_budget_s'] / 60:.0f} device minutes per session, a "
+        "machine held "
         f"{model['hold_limit_s'] / 60:.0f} minutes at most, and every piece "
         "must arrive within one hold (a machine given back comes back bare).",
         "",
@@ -792,9 +798,8 @@ def build_report(
         f"hold about {est['stage1_and_2_min']}."
     )
     if not est["fits_with_stage1"]:
-        budget_min = min(model.device_budget_s, model.hold_limit_s) / 60
         why += (
-            f" Even this does not fit after stage 1 in {budget_min:.0f} device "
+            f" Even this does not fit after stage 1 in {model.limit_s / 60:.0f} device "
             "minutes: run stage 2 in a session of its own, carrying the "
             "pieces first."
         )
