@@ -4,7 +4,12 @@ Each case starts vLLM on CPU (one subprocess per engine) and compares every
 rank's block count, KV bytes, logged token capacity and concurrency with
 ``vllm_kvmem.planner.plan_capacity`` for the same model directory and flags.
 Shapes differ in layer count, KV heads, head dim, dtype and attention kind
-(one model has sliding-window layers).
+(one model has sliding-window layers). Real architectures' shapes
+(``kvmem shape-model``: published configs, no weights) run with
+``load_format="dummy"``: Qwen2.5-0.5B and Gemma 3 1B (the hybrid: sliding and
+full KV cache groups) at full depth, Llama 3.1 8B and Qwen3-30B-A3B (the MoE,
+on vLLM's CPU fused-MoE experts) cut to 2 layers, each layer's KV geometry
+as published.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import pytest
 from tests.helpers import assert_agrees, run_engine
 from vllm_kvmem.core.units import MiB
 from vllm_kvmem.demo_engine import PP_COMPILATION
-from vllm_kvmem.planner import plan_capacity
+from vllm_kvmem.planner import load_model, plan_capacity
+from vllm_kvmem.planner.kv_math import kv_cache_groups
+from vllm_kvmem.shape_model import build_shape_model
 from vllm_kvmem.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.engine
@@ -57,6 +64,52 @@ def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, bat
     assert_agrees(run, cap, max_len)
     if "sliding" in name:
         assert cap.blocks_per_request < max_len // 128 + 1
+
+
+REAL_SHAPES = [
+    # (shape, --num-layers, budget bytes, budget tokens, max_model_len, batch)
+    ("qwen2.5-0.5b", None, 64 * MiB, None, 2048, None),
+    # 512-token batches: a sliding layer's request holds 9 blocks, not 17.
+    ("gemma-3-1b", None, 64 * MiB, None, 2048, 512),
+    ("llama-3.1-8b", 2, None, 10_000, 4096, None),
+    ("qwen3-30b-a3b", 2, 64 * MiB, None, 4096, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,layers,nbytes,ntokens,max_len,batch", REAL_SHAPES)
+def test_real_shapes_with_dummy_weights(
+    tmp_path, shape, layers, nbytes, ntokens, max_len, batch
+):
+    """A published architecture's KV geometry, served with random weights
+    (one in-process engine start each, 20-40 s on 2 cores)."""
+    model = build_shape_model(shape, tmp_path / shape, num_layers=layers)
+    kwargs = dict(
+        model=str(model), max_model_len=max_len, enforce_eager=True,
+        load_format="dummy",
+    )  # fmt: skip
+    if batch:
+        kwargs["max_num_batched_tokens"] = batch
+    if nbytes:
+        kwargs["kv_cache_memory_bytes"] = nbytes
+    else:
+        kwargs["kv_cache_tokens"] = ntokens
+    run = run_engine(kwargs, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cap = plan_capacity(
+        model,
+        budget_bytes=nbytes,
+        budget_tokens=ntokens,
+        max_model_len=max_len,
+        max_num_batched_tokens=batch,
+        platform="cpu",
+    )
+    assert_agrees(run, cap, max_len)
+    # One layer's block (the first KV cache group's page) and the groups
+    # (Gemma 3: 22 sliding layers in 6 groups of 4, the 4 full ones in 1).
+    layers = load_model(model).layers()
+    assert run.ranks[0]["page_bytes"] == layers[0].page_bytes(128)
+    assert run.ranks[0]["num_groups"] == len(kv_cache_groups(layers))
+    assert run.ranks[0]["num_groups"] == (7 if shape == "gemma-3-1b" else 1)
+    assert len(run.report["token_ids"][0]) == 8  # it generated
 
 
 PIPELINE = [

@@ -41,7 +41,7 @@ def _upstream(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_kvmem import demo, planner, tiny_model
+    from vllm_kvmem import demo, planner, shape_model, tiny_model
 
     parser = argparse.ArgumentParser(
         prog="kvmem", description="vllm-kvmem: KV-cache memory tools for vLLM."
@@ -55,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_model.add_arguments(p)
     p.set_defaults(func=tiny_model.run)
     p = sub.add_parser(
+        "shape-model",
+        help="write a published architecture's config.json (Llama 3.1 8B, "
+        "Qwen2.5, Gemma 3, Qwen3 MoE, ...) with a local tokenizer and no "
+        "weights, to serve with --load-format dummy; --list shows the catalog",
+        description="Write a model folder with a published architecture's "
+        "config.json, the locally trained tokenizer and no weight files: vLLM "
+        "serves it with --load-format dummy (random weights in memory) at the "
+        "real shape's cost and KV geometry. --num-layers N keeps every "
+        "per-layer dimension and only the first N layers.",
+    )
+    shape_model.add_arguments(p)
+    p.set_defaults(func=shape_model.run)
+    p = sub.add_parser(
         "plan",
         help="offline KV cache planner: capacity, budgets, pipeline partitions",
     )
@@ -62,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=planner.run)
     p = sub.add_parser(
         "demo",
-        help="A/B of --enable-pp-prop-kv-cache on a pipeline of 2 (tiny model)",
+        help="A/B of --enable-pp-prop-kv-cache on a pipeline of 2 and of the "
+        "host KV tier (tiny model), then the planner vs a real shape's engine",
     )
     demo.add_arguments(p)
     p.set_defaults(func=demo.run)

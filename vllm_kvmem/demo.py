@@ -8,6 +8,9 @@
 2. The host KV tier: documents whose working set is 4x the device KV cache,
    read twice, with and without ``--kv-host-cache-bytes``; the second pass's
    cached tokens, time to first token, and whether the output is identical.
+3. A real architecture's shape (``kvmem shape-model``, default Qwen2.5-0.5B:
+   its published config, no weights) served with ``load_format="dummy"``:
+   the offline planner's capacity beside what the engine allocated.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
-        "--skip-host-tier", action="store_true", help="only run the PP A/B"
+        "--skip-host-tier", action="store_true", help="leave out the host tier A/B"
+    )
+    parser.add_argument(
+        "--shape",
+        default="qwen2.5-0.5b",
+        help="catalog shape for the real-shape run (kvmem shape-model --list; "
+        "default %(default)s)",
+    )
+    parser.add_argument(
+        "--skip-shape", action="store_true", help="leave out the real-shape run"
     )
 
 
@@ -101,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     budget = human_readable_int(str(args.kv_cache_memory_bytes))
+    if not args.skip_shape:
+        from vllm_kvmem.shape_model import get_shape
+
+        get_shape(args.shape, "--shape")  # fails before any engine starts
     model = build_tiny_model(
         out / f"tiny-{args.num_layers}l", num_layers=args.num_layers
     )
@@ -134,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if not args.skip_host_tier:
         result["host_tier"] = host_tier_demo(model, args.num_layers)
+    if not args.skip_shape:
+        result["real_shape"] = real_shape_demo(out, args.shape)
     (out / "demo.json").write_text(json.dumps(result, indent=2))
     print(f"[kvmem demo] wrote {out / 'demo.json'}")
     return 0
@@ -218,5 +237,69 @@ def format_tier_table(runs: dict[str, dict[str, Any]]) -> str:
             *body,
             f"TTFT {ttft['recompute'] / ttft['host tier']:.1f}x lower with the host "
             f"tier; greedy output identical: {same}",
+        ]
+    )
+
+
+#: The real-shape run: a budget and context that start in seconds on a CPU.
+SHAPE_BUDGET = 64 << 20
+SHAPE_MAX_LEN = 2048
+
+
+def real_shape_demo(out: Path, name: str) -> dict[str, Any]:
+    """A published architecture's KV geometry with random weights: what the
+    planner predicts, offline, beside what the engine allocated."""
+    from vllm_kvmem.planner import plan_capacity
+    from vllm_kvmem.shape_model import CATALOG, build_shape_model
+
+    model = build_shape_model(name, out / f"shape-{name}")
+    print(
+        f"[kvmem demo] {name} ({CATALOG[name].source}: published config, no "
+        f"weights), load_format=dummy, --kv-cache-memory-bytes "
+        f"{SHAPE_BUDGET >> 20} MiB ...",
+        flush=True,
+    )
+    kwargs = dict(
+        model=str(model),
+        load_format="dummy",
+        kv_cache_memory_bytes=SHAPE_BUDGET,
+        max_model_len=SHAPE_MAX_LEN,
+        enforce_eager=True,
+    )
+    report = _engine(kwargs, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    cap = plan_capacity(
+        model,
+        budget_bytes=SHAPE_BUDGET,
+        max_model_len=SHAPE_MAX_LEN,
+        platform="cpu",
+    )
+    print(format_shape_table(name, report["ranks"][0], cap))
+    return {"shape": name, "engine": report["ranks"][0], "planner": asdict(cap)}
+
+
+def format_shape_table(name: str, rank: dict[str, Any], cap: Any) -> str:
+    """Planner and engine side by side: blocks, KV bytes, tokens, concurrency."""
+    stage = cap.stages[0]
+    planned = [stage.num_blocks, stage.kv_bytes, cap.tokens, cap.concurrency]
+    got = [rank["num_blocks"], rank["kv_bytes"], rank["tokens"], rank["concurrency"]]
+    rows = [
+        [who, f"{b:,}", f"{n:,}", f"{t:,}", f"{c:.2f}x"]
+        for who, (b, n, t, c) in (("kvmem plan", planned), ("vLLM engine", got))
+    ]
+    head, *body = render_table(
+        ["", BAR, "blocks", BAR, "KV bytes", BAR, "tokens", BAR, "concurrency"],
+        rows,
+        widths=[13],
+        sep=" ",
+    )
+    same = planned[:3] == got[:3] and abs(planned[3] - got[3]) < 1e-9
+    return "\n".join(
+        [
+            f"{name}: {rank['layers']} layers, {stage.kv_bytes_per_token:,} KV "
+            f"bytes/token, max_model_len {SHAPE_MAX_LEN:,}",
+            head,
+            "-" * len(head),
+            *body,
+            f"planner and engine agree: {same}",
         ]
     )

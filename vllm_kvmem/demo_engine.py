@@ -105,6 +105,7 @@ def rank_kv_report(worker: Any) -> dict[str, Any]:
         if first is not None
         else None,
         "page_bytes": cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes,
+        "num_groups": len(cfg.kv_cache_groups),
     }
 
 

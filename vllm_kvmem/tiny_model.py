@@ -365,14 +365,56 @@ def model_config(o: TinyModelOptions) -> dict[str, Any]:
     return config
 
 
-def _write_text(path: pathlib.Path, text: str) -> None:
+def write_text(path: pathlib.Path, text: str) -> None:
+    """UTF-8 with ``\n`` line ends whatever the platform, so bytes match."""
     path.write_bytes(text.encode("utf-8"))
 
 
-def _dump_json(path: pathlib.Path, obj: Any) -> None:
+def dump_json(path: pathlib.Path, obj: Any) -> None:
     """Sorted keys and a fixed layout so the bytes depend only on the content."""
-    _write_text(
+    write_text(
         path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    )
+
+
+def write_generation_config(out: pathlib.Path) -> None:
+    """``generation_config.json`` with the project tokenizer's special ids."""
+    dump_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
+    )
+
+
+def write_tokenizer(out: pathlib.Path, vocab_size: int, model_max_length: int) -> None:
+    """The locally trained byte-level BPE and its configs (ids ``< vocab_size``).
+
+    ``kvmem shape-model`` writes the same tokenizer beside a published
+    architecture's config, so that no tokenizer is ever downloaded.
+    """
+    tok = _train_tokenizer(vocab_size)
+    write_text(out / "tokenizer.json", tok.to_str(pretty=True) + "\n")
+    specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
+    dump_json(out / "special_tokens_map.json", specials)
+    dump_json(
+        out / "tokenizer_config.json",
+        {
+            **specials,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": token,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for i, token in enumerate(SPECIAL_TOKENS)
+            },
+            "chat_template": CHAT_TEMPLATE,
+        },
     )
 
 
@@ -401,11 +443,8 @@ def build_tiny_model(
     out = pathlib.Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
 
-    _dump_json(out / "config.json", model_config(o))
-    _dump_json(
-        out / "generation_config.json",
-        {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
-    )
+    dump_json(out / "config.json", model_config(o))
+    write_generation_config(out)
 
     torch_dtype = getattr(torch, o.dtype)
     gen = torch.Generator(device="cpu").manual_seed(o.seed)
@@ -418,31 +457,7 @@ def build_tiny_model(
             tensors[name] = (weight * WEIGHT_STD).to(torch_dtype).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    tok = _train_tokenizer(o.vocab_size)
-    _write_text(out / "tokenizer.json", tok.to_str(pretty=True) + "\n")
-    specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
-    _dump_json(out / "special_tokens_map.json", specials)
-    _dump_json(
-        out / "tokenizer_config.json",
-        {
-            **specials,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": o.max_position_embeddings,
-            "clean_up_tokenization_spaces": False,
-            "added_tokens_decoder": {
-                str(i): {
-                    "content": token,
-                    "lstrip": False,
-                    "normalized": False,
-                    "rstrip": False,
-                    "single_word": False,
-                    "special": True,
-                }
-                for i, token in enumerate(SPECIAL_TOKENS)
-            },
-            "chat_template": CHAT_TEMPLATE,
-        },
-    )
+    write_tokenizer(out, o.vocab_size, o.max_position_embeddings)
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from vllm_kvmem.planner.cli import add_arguments, run
 from vllm_kvmem.planner.costs import KVCosts
-from vllm_kvmem.planner.model import ModelInfo, load_model
+from vllm_kvmem.planner.model import ModelInfo, load_model, model_from_config
 from vllm_kvmem.planner.partition import Recommendation, recommend_partition
 from vllm_kvmem.planner.plans import Plan, plan, plan_capacity
 from vllm_kvmem.planner.report import format_plan, plan_to_dict
@@ -35,6 +35,7 @@ __all__ = [
     "add_arguments",
     "format_plan",
     "load_model",
+    "model_from_config",
     "plan",
     "plan_capacity",
     "plan_to_dict",

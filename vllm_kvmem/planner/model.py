@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "full attention or sliding window",
     "Qwen2MoeForCausalLM": "full attention or sliding window",
     "Qwen3MoeForCausalLM": "full attention or sliding window",
+    "Gemma3ForCausalLM": "sliding window and full attention (layer_types)",
     "DeepseekV2ForCausalLM": "MLA",
     "DeepseekV3ForCausalLM": "MLA",
 }
@@ -102,7 +103,17 @@ class ModelInfo:
 def load_model(model_dir: str | os.PathLike[str], *, dtype: str = "auto") -> ModelInfo:
     """Read ``config.json`` and the safetensors headers of a local model."""
     path = Path(model_dir)
-    cfg = _read_config(path)
+    return model_from_config(_read_config(path), path, dtype=dtype)
+
+
+def model_from_config(
+    cfg: dict[str, Any], path: str | os.PathLike[str], *, dtype: str = "auto"
+) -> ModelInfo:
+    """A model from its config.json content; weights from the safetensors
+    headers in ``path`` if it holds any, else estimated from ``cfg`` (so
+    ``kvmem shape-model --list`` sizes its catalog without writing a folder).
+    """
+    path = Path(path)
     arch = _architecture(cfg, path)
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     cfg = {**cfg, **(text or {})}
@@ -206,14 +217,24 @@ def _layer_kinds(
 
     Qwen2/Qwen3 configs only slide when ``use_sliding_window`` is true, and then
     on layers ``>= max_window_layers`` (transformers' Qwen configs); vLLM
-    refuses Qwen models that slide on some layers only. Other configs: a
-    ``layer_types`` list decides per layer, else ``sliding_window`` applies to
-    every layer (vLLM copies it into the cache config). A window of 0 is off.
+    refuses Qwen models that slide on some layers only. Gemma 3 without
+    ``layer_types``: its ``sliding_window_pattern``, as transformers reads it.
+    Other configs: a ``layer_types`` list decides per layer, else
+    ``sliding_window`` applies to every layer (vLLM copies it into the cache
+    config). A window of 0 is off.
     """
     if is_mla:
         return (km.LayerKind.MLA,) * n, None
     window = cfg.get("sliding_window") or None
     layer_types = cfg.get("layer_types")
+    if layer_types is None and model_type.startswith("gemma3"):
+        # Hub configs of Gemma 3 carry only the pattern; transformers' config
+        # derives layer_types from it (default 6: five sliding, one full).
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(n)
+        ]
     is_qwen = model_type.startswith(("qwen2", "qwen3"))
     if is_qwen:
         window = window if cfg.get("use_sliding_window") else None

@@ -195,8 +195,10 @@ def _estimate_weights(
     """Per-layer weights when the safetensors shards are not in the directory.
 
     With an index, its ``metadata.total_size`` less the embeddings is spread
-    evenly over the layers; without one, a dense Llama-style layer is sized
-    from config.json. MoE models without shards: unknown (zeros).
+    evenly over the layers; without one (a config-only folder, such as
+    ``kvmem shape-model`` writes for ``--load-format dummy``), each layer is
+    sized from config.json (:func:`_layer_params`). MLA models without
+    shards: unknown (zeros).
     """
     n, h = info.num_layers, info.hidden_size
     nbytes = km.DTYPE_BYTES[info.dtype]
@@ -209,14 +211,51 @@ def _estimate_weights(
         per = max(0, total - embed - head - norm) // n
         how = "index metadata.total_size spread evenly over layers (shards absent)"
         return _even(n, per, embed, head, norm, tied, how)
-    inter = int(cfg.get("intermediate_size") or 0)
-    if cfg.get("num_experts") or cfg.get("n_routed_experts") or info.mla_dims:
+    if info.mla_dims or cfg.get("n_routed_experts"):
         return _even(n, 0, 0, 0, 0, tied, "unknown (no safetensors found)")
-    q = info.num_attention_heads * info.head_dim
-    kv = info.num_kv_heads * info.head_dim
-    per = (2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h) * nbytes
+    per_layer = tuple(_layer_params(cfg, info, i) * nbytes for i in range(n))
     how = "config.json shapes (estimate, no safetensors found)"
-    return _even(n, per, embed, head, norm, tied, how)
+    return WeightInfo(per_layer, embed, head, norm, 0, 0, tied, how, False)
+
+
+def _layer_params(cfg: dict[str, Any], info: ModelShape, i: int) -> int:
+    """Parameters of decoder layer ``i`` from config.json (vLLM's tensors).
+
+    Attention: q/k/v/o projections from the heads and ``head_dim`` (Gemma's
+    ``heads x head_dim`` differs from the width), their biases (Qwen2's q/k/v,
+    ``attention_bias``), per-head q/k norms (Qwen3, Gemma 3). MLP: a gated
+    dense MLP of ``intermediate_size``, or on MoE layers (Qwen2/Qwen3 MoE:
+    ``decoder_sparse_step``, ``mlp_only_layers``) ``num_experts`` experts of
+    ``moe_intermediate_size``, the router, and Qwen2-MoE's shared expert.
+    RMSNorm scales: two per layer, four for Gemma 2/3.
+    """
+    h, head_dim = info.hidden_size, info.head_dim
+    model_type = str(cfg.get("model_type", ""))
+    q = info.num_attention_heads * head_dim
+    kv = info.num_kv_heads * head_dim
+    params = 2 * h * q + 2 * h * kv
+    if cfg.get("attention_bias"):
+        params += q + 2 * kv + h
+    elif model_type.startswith("qwen2"):
+        params += q + 2 * kv  # Qwen2 (and Qwen2-MoE) have q/k/v biases
+    if model_type.startswith(("qwen3", "gemma3")):
+        params += 2 * head_dim
+    params += (4 if model_type.startswith(("gemma2", "gemma3")) else 2) * h
+    experts = int(cfg.get("num_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    sparse = (
+        experts > 0
+        and i not in (cfg.get("mlp_only_layers") or [])
+        and (i + 1) % step == 0
+    )
+    if not sparse:
+        return params + 3 * h * int(cfg.get("intermediate_size") or 0)
+    moe = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    params += experts * 3 * h * moe + h * experts
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared:
+        params += 3 * h * shared + h  # the shared expert and its gate
+    return params
 
 
 def _even(
