@@ -44,3 +44,43 @@ class ModelShape:
         if not (path / "model.safetensors").exists():
             build_tiny_model(path, TinyModelOptions(**vars(self)))
         return path
+
+    def engine_kwargs(self) -> dict[str, str]:
+        """What vLLM needs besides the folder: weights are on disk."""
+        return {"dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class PublishedShape:
+    """A published architecture (``kvmem shape-model NAME``): its config and
+    the project's tokenizer, no weight files; vLLM makes random weights in
+    memory (``load_format="dummy"``), so the run costs what the real model
+    costs and has its KV geometry."""
+
+    name: str
+    dtype: str = "bfloat16"
+    num_layers: int | None = None  # None: the published depth
+
+    @property
+    def tag(self) -> str:
+        depth = f"-L{self.num_layers}" if self.num_layers else ""
+        return f"{self.name}{depth}-{self.dtype}"
+
+    def kv_bytes_per_token(self) -> int:
+        from vllm_kvmem.shape_model import kv_bytes_per_token, shape_info
+
+        return kv_bytes_per_token(shape_info(self.name, self.num_layers, self.dtype))
+
+    def ensure(self, cache: Path) -> Path:
+        """The model folder under ``cache``, written on first use."""
+        from vllm_kvmem.shape_model import build_shape_model
+
+        path = cache / self.tag
+        if not (path / "config.json").exists():
+            build_shape_model(
+                self.name, path, num_layers=self.num_layers, dtype=self.dtype
+            )
+        return path
+
+    def engine_kwargs(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "load_format": "dummy"}

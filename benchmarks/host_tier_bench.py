@@ -98,7 +98,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 if str(ROOT) not in sys.path:  # run from a checkout that is not installed
     sys.path.insert(0, str(ROOT))
 
-from _model import ModelShape  # noqa: E402
+from _model import ModelShape, PublishedShape  # noqa: E402
 from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -805,6 +805,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument(
+        "--shape",
+        default=None,
+        help="a published shape (kvmem shape-model NAME, e.g. qwen2.5-0.5b) "
+        "served with load_format=dummy, instead of the random-weight tiny model",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="with --shape: weight and KV dtype (default %(default)s)",
+    )
+    parser.add_argument(
         "--no-fork",
         action="store_true",
         help="start every run in a new interpreter instead of forking one that "
@@ -820,6 +831,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             num_heads=hidden // shape.head_dim,
             num_kv_heads=max(1, hidden // shape.head_dim // 2),
         )
+    if args.shape:
+        shape = PublishedShape(args.shape, args.dtype, args.layers)
     args.shape = shape
     args.reuse = args.reuse or ([0.0, 1.0] if args.quick else list(REUSE_LEVELS))
     args.requests = args.requests or (8 if args.quick else 12)
@@ -869,11 +882,15 @@ def plan_sizes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def llm_kwargs(
-    config: str, model: Path, sizes: dict[str, Any], storage: str | None
+    config: str,
+    model: Path,
+    sizes: dict[str, Any],
+    storage: str | None,
+    shape: ModelShape | PublishedShape = FULL_MODEL,
 ) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "model": str(model),
-        "dtype": "float32",
+        **shape.engine_kwargs(),
         "enforce_eager": True,
         "kv_cache_memory_bytes": sizes["device_kv_bytes"],
         "max_model_len": sizes["max_model_len"],
@@ -901,9 +918,10 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     sizes = plan_sizes(args)
-    args.shape = replace(
-        args.shape, max_position_embeddings=sizes["max_model_len"] + 256
-    )
+    if isinstance(args.shape, ModelShape):
+        args.shape = replace(
+            args.shape, max_position_embeddings=sizes["max_model_len"] + 256
+        )
     model = args.shape.ensure(args.model_cache)
 
     plan = []
@@ -928,7 +946,9 @@ def main(argv: list[str] | None = None) -> int:
                         storage = str(workdir / f"example-{n}")
                         os.makedirs(storage)
                     spec = {
-                        "llm_kwargs": llm_kwargs(config, model, sizes, storage),
+                        "llm_kwargs": llm_kwargs(
+                            config, model, sizes, storage, args.shape
+                        ),
                         "schedule": schedule,
                         "doc_tokens": args.doc_tokens,
                         "max_tokens": args.max_tokens,
@@ -1067,7 +1087,10 @@ def replot(path: Path) -> int:
     hits = report["hit_vs_recompute"]
     png = path.with_suffix(".png")
     model = report["model"]
-    shape = ModelShape(**{k: model[k] for k in asdict(FULL_MODEL) if k in model})
+    if "name" in model:  # a published shape
+        shape = PublishedShape(model["name"], model["dtype"], model["num_layers"])
+    else:
+        shape = ModelShape(**{k: model[k] for k in asdict(FULL_MODEL) if k in model})
     plot(
         best,
         hits,

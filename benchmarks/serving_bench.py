@@ -123,6 +123,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+from _model import PublishedShape  # noqa: E402
 from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
 from _server import ApiServer, http, metric_delta, parse_metrics  # noqa: E402, F401
 from tqdm import tqdm  # noqa: E402
@@ -195,6 +196,7 @@ LEVELS = {
     "unique": Level("unique", 1),
     "partial": Level("partial", 2),
     "high": Level("high", 6),
+    "eighty": Level("eighty", 5),  # 80%: the real-shape runs' top level
 }
 
 
@@ -387,8 +389,11 @@ def server_env(threads: int) -> dict[str, str]:
 
 
 def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]:
+    engine = ["--dtype", "float32"]
+    if args.shape:  # a published shape: random weights made in memory
+        engine = ["--dtype", args.dtype, "--load-format", "dummy"]
     cmd = [
-        "--model", str(model), "--dtype", "float32", "--enforce-eager",
+        "--model", str(model), *engine, "--enforce-eager",
         "--kv-cache-memory-bytes", args.kv_cache_bytes,
         "--block-size", str(args.block_size),
         "--max-model-len", str(args.max_model_len),
@@ -712,10 +717,13 @@ def plot(
 # -- the benchmark --------------------------------------------------------------------
 
 
-def ensure_model(cache: Path) -> Path:
-    """The 8-layer float32 tiny model, built once (deterministic bytes)."""
+def ensure_model(cache: Path, shape: str | None = None, dtype: str = "") -> Path:
+    """The 8-layer float32 tiny model, built once (deterministic bytes), or
+    the published ``shape``'s folder (no weights)."""
     from vllm_kvmem.tiny_model import build_tiny_model
 
+    if shape:
+        return PublishedShape(shape, dtype).ensure(cache)
     path = cache / "L8-H256-KV2-D64-float32"
     if not (path / "model.safetensors").exists():
         build_tiny_model(path, dtype="float32")
@@ -816,6 +824,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--model-cache", type=Path, default=ROOT / "out" / "serving-model"
     )
     parser.add_argument(
+        "--shape",
+        default=None,
+        help="a published shape (kvmem shape-model NAME, e.g. qwen2.5-0.5b) "
+        "served with --load-format dummy, instead of the 8-layer tiny model",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="with --shape: weight and KV dtype (default %(default)s)",
+    )
+    parser.add_argument(
         "--keep-raw",
         type=Path,
         default=None,
@@ -840,13 +859,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        print(json.dumps(dry_run(args, ensure_model(args.model_cache)), indent=1))
+        model = ensure_model(args.model_cache, args.shape, args.dtype)
+        print(json.dumps(dry_run(args, model), indent=1))
         return 0
     # SIGTERM runs the finally below (stops both servers) instead of orphaning.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out: Path = args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = ensure_model(args.model_cache)
+    model = ensure_model(args.model_cache, args.shape, args.dtype)
     env = server_env(args.threads)
     code = code_under_test(env)
     print(f"vllm_kvmem under test: {code.get('vllm_kvmem_file')}", flush=True)
@@ -964,14 +984,18 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "versions": versions(),
         "code_under_test": code,
-        "model": {
-            "path": str(model),
-            "layers": 8,
-            "hidden_size": 256,
-            "kv_heads": 2,
-            "head_dim": 64,
-            "dtype": "float32",
-        },  # fmt: skip
+        "model": (
+            {"path": str(model), "shape": args.shape, "dtype": args.dtype}
+            if args.shape
+            else {
+                "path": str(model),
+                "layers": 8,
+                "hidden_size": 256,
+                "kv_heads": 2,
+                "head_dim": 64,
+                "dtype": "float32",
+            }
+        ),
         "server": {c: ["api_server", *server_args(c, model, args)] for c in CONFIGS},
         "server_start_s": startups,
         "workload": {

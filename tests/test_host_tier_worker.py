@@ -28,6 +28,7 @@ from vllm_kvmem.host_tier.metadata import (
     HostTierWorkerMeta,
     LoadChunk,
 )
+from vllm_kvmem.host_tier.stats import StepClock
 from vllm_kvmem.host_tier.worker import HostTierWorker
 
 
@@ -101,6 +102,7 @@ def conn(worker):
     conn._connector_metadata = None
     conn.connector_scheduler = None
     conn.connector_worker = worker
+    conn.clock = StepClock()
     return conn
 
 

@@ -5,7 +5,10 @@ worker (the shape of upstream's ``OffloadingConnector``)."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any, TypeVar
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -20,9 +23,32 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm_kvmem.host_tier.config import HostTierConfig
 from vllm_kvmem.host_tier.kv_region import config_slot_bytes
 from vllm_kvmem.host_tier.scheduler import HostTierScheduler
-from vllm_kvmem.host_tier.stats import HostTierPromMetrics, HostTierStats
+from vllm_kvmem.host_tier.stats import HostTierPromMetrics, HostTierStats, StepClock
 from vllm_kvmem.host_tier.support import hit_groups, unsupported_reason
 from vllm_kvmem.host_tier.worker import HostTierWorker
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _timed(*, ends_step: bool = False) -> Callable[[_F], _F]:
+    """Add a call's time to this step's (``StepClock``); ``ends_step``: the
+    last call of the side's step (``build_connector_meta`` in the engine
+    core, ``build_connector_worker_meta`` in a worker)."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def timed(self: KVMemHostTierConnector, *args: Any, **kwargs: Any) -> Any:
+            started = perf_counter_ns()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.clock.ns += perf_counter_ns() - started
+                if ends_step:
+                    self.clock.end_step()
+
+        return timed  # type: ignore[return-value]
+
+    return wrap
 
 
 class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -62,6 +88,9 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.block_size = groups[0].kv_cache_spec.block_size if groups else 0
         self.connector_scheduler: HostTierScheduler | None = None
         self.connector_worker: HostTierWorker | None = None
+        # The tier's own time per engine step on this side (the
+        # vllm:kvmem_host_*_step_seconds histograms).
+        self.clock = StepClock()
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = HostTierScheduler(
                 self.config,
@@ -107,25 +136,31 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._scheduler.bind_gpu_block_pool(gpu_block_pool)
 
+    @_timed()
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @_timed()
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @_timed(ends_step=True)
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    @_timed()
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.update_connector_output(connector_output)
 
+    @_timed()
     def request_finished(self, request: Any, block_ids: list[int]):
         return self._scheduler.request_finished(request, (block_ids,))
 
+    @_timed()
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -141,22 +176,27 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    @_timed()
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         self._worker.handle_preemptions(kv_connector_metadata)
 
+    @_timed()
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # The metadata vLLM bound for this step (bind_connector_metadata).
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         self._worker.start_load_kv(meta)
 
+    @_timed()
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)
 
+    @_timed()
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
 
+    @_timed(ends_step=True)
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.build_connector_worker_meta()
 
@@ -185,12 +225,21 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
 
+    @_timed()
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if not self.enabled:
             return None
         if self.connector_scheduler is not None:
-            return self.connector_scheduler.stats()
-        return self._worker.stats()
+            stats = self.connector_scheduler.stats()
+            key = "scheduler_step_us"
+        else:
+            stats = self._worker.stats()
+            key = "worker_step_us"
+        if (times := self.clock.take_due()) is not None:
+            if stats is None:
+                stats = self.build_kv_connector_stats()
+            stats.data[key] = times
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):

@@ -79,13 +79,18 @@ class HostTierScheduler(CountsStats):
         self._seq = 0
         self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
         self._evict_saves: list[tuple[int, int]] = []
-        # The hashed blocks at the head of the free queue at the last step,
-        # and those of requests finished since: block id -> (hash, tokens it
-        # covers). vLLM drops a block's hash when
-        # it evicts the block, so this is how the tier knows which hash an
-        # evicted block held (see _spill_shadow_evictions).
+        # Hashed device blocks the tier has seen free (near the head of the
+        # free queue, or of finished requests): block id -> (hash, tokens it
+        # covers). vLLM drops a block's hash when it evicts the block, so this
+        # is how the tier knows which hash an evicted block held (see
+        # _spill_shadow_evictions).
         self._shadow: dict[int, Any] = {}
-        self._scan_state: tuple[int, int] | None = None
+        # Blocks vLLM allocated in this scheduling pass (update_state_after_
+        # alloc), and the walk's place in the free queue: the last block it
+        # examined and the blocks examined ahead of it (see _walk_free_queue).
+        self._allocated: list[int] = []
+        self._cursor: Any = None
+        self._examined: dict[int, None] = {}
         self._matched: dict[str, _Match] = {}  # until vLLM allocates the request
         self._sync_loads: list[LoadChunk] = []  # this step's
         self._sync_blocks = 0
@@ -105,10 +110,8 @@ class HostTierScheduler(CountsStats):
         slot_bytes = max(1, self.pipeline_slot_bytes)
         self._budget_blocks = max(1, self.step_bytes // slot_bytes)
         # Blocks near the head of the free queue worth copying ahead: what the
-        # next two steps could evict, and at least one step's budget.
-        self._scan_window = max(
-            self._budget_blocks, 2 * cdiv(step_tokens, self.block_size), 64
-        )
+        # next two steps could evict.
+        self._scan_window = max(2 * cdiv(step_tokens, self.block_size), 64)
         # Blocks one scheduling pass can evict: every group's share of the
         # step's tokens, plus a block boundary per scheduled request.
         max_seqs = int(getattr(sched, "max_num_seqs", 0) or 0)
@@ -136,23 +139,46 @@ class HostTierScheduler(CountsStats):
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
 
-    def _spill_shadow_evictions(self) -> None:
+    def _spill_shadow_evictions(self, scheduler_output: Any) -> None:
         """The evictions of the last scheduling pass, found in the shadow.
 
-        vLLM evicts from the head of the free queue (``get_new_blocks``) and
-        drops the block's hash as it does. A shadowed block whose hash is no
-        longer the one recorded was evicted; its KV is intact until this
-        step's forward pass, which the workers' copies precede. A block whose
-        hash vLLM dropped while it stayed free (a prefix cache reset) was not
-        handed out, and its KV is not spilled. Missed: the blocks of a request
-        preempted and evicted within one pass (vLLM frees them inside
-        ``schedule()``), which are recomputed."""
-        blocks = self._pool.blocks
-        for block_id, (key, covered) in list(self._shadow.items()):
+        vLLM evicts a free cached block only when it hands the block to a
+        request (``get_new_blocks``), dropping the block's hash as it does, so
+        the blocks to check are this pass's allocations: the running
+        requests' new blocks (in the scheduler output) and the blocks of the
+        requests it admitted (``update_state_after_alloc``, which also sees
+        the requests that wait for an asynchronous load). A shadowed block
+        among them whose hash is no longer the one recorded was evicted; its
+        KV is intact until this step's forward pass, which the workers'
+        copies precede. The cost is per block allocated, not per block free.
+        Missed: the blocks of a request preempted and evicted within one pass
+        (vLLM frees them inside ``schedule()``), which are recomputed."""
+        # In the order vLLM handed the blocks out: the running requests'
+        # first, then the admitted ones'.
+        allocated = [
+            block_id
+            for ids in scheduler_output.scheduled_cached_reqs.new_block_ids
+            for group_ids in ids or ()
+            for block_id in group_ids
+        ]
+        allocated += self._allocated
+        self._allocated = []
+        cursor = self._cursor
+        blocks, shadow, examined = self._pool.blocks, self._shadow, self._examined
+        for block_id in allocated:
+            # Out of the free queue: no longer ahead of the walk's cursor.
+            if examined.pop(block_id, 0) is None and (
+                cursor is not None and cursor.block_id == block_id
+            ):
+                self._cursor = cursor = None  # the walk starts from the head
+            entry = shadow.get(block_id)
+            if entry is None:
+                continue
+            key, covered = entry
             block = blocks[block_id]
             if block.block_hash == key:
-                continue  # still cached (free, or a device prefix hit)
-            del self._shadow[block_id]
+                continue  # a device prefix hit: still cached
+            del shadow[block_id]
             if block.block_hash is None and block.ref_cnt == 0:
                 continue  # dropped in place, not handed out
             self._on_evicted(block_id, key, covered)
@@ -276,6 +302,9 @@ class HostTierScheduler(CountsStats):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
+        if self.enabled:
+            for group_blocks in blocks.blocks:
+                self._allocated.extend(b.block_id for b in group_blocks)
         looked, hit = self._lookups.pop(request.request_id, (0, 0))
         if looked:
             self._count(
@@ -356,7 +385,7 @@ class HostTierScheduler(CountsStats):
         if not self.enabled:
             return meta
         if self._pool is not None:
-            self._spill_shadow_evictions()
+            self._spill_shadow_evictions(scheduler_output)
         meta.fence = self._fences()
         meta.evict_saves, self._evict_saves = self._evict_saves, []
         meta.ahead_saves = self._walk_free_queue()
@@ -404,42 +433,53 @@ class HostTierScheduler(CountsStats):
         """Walk the head of vLLM's free queue, where it evicts next: pick the
         cached blocks with no host copy yet to copy in the background (up to
         the step budget, within the scan window), and shadow the hashed
-        blocks the next scheduling pass may evict."""
+        blocks the next scheduling pass may evict.
+
+        The walk goes on from where the last one stopped (a cursor, as
+        vLLM's lazy offload walks): the blocks it examined stay examined
+        until vLLM allocates them (``_spill_shadow_evictions`` takes them
+        off), and only the blocks that have come within the window since are
+        looked at, so a step costs the blocks it moved, not the window. It
+        stops short of a block it could not pick (budget spent, host full),
+        which the next step's walk picks first."""
         queue = getattr(self._pool, "free_block_queue", None)
         if queue is None:
             return []
-        head = next(queue.iter_blocks_after(None), None)
-        state = (queue.num_free_blocks, head.block_id if head else -1)
-        if state == self._scan_state:
-            # Nothing popped or freed since a walk that found every block
-            # saved: the picks and the shadow stand.
-            return []
+        cursor = self._cursor
+        if cursor is not None and (
+            cursor.ref_cnt > 0 or cursor.prev_free_block is None
+        ):
+            cursor = None  # out of the queue: start again from the head
+        if cursor is None:
+            self._examined = {}
+        examined, shadow, index = self._examined, self._shadow, self.index
         picked: list[tuple[int, int]] = []
-        self._shadow, host_full = {}, False
-        for scanned, block in enumerate(queue.iter_blocks_after(None)):
-            if scanned >= self._shadow_window:
+        budget = self._budget_blocks
+        for block in queue.iter_blocks_after(cursor):
+            if len(examined) >= self._shadow_window:
                 break
-            key, covered = block.block_hash, block.block_hash_num_tokens
-            if key is None or block.is_null:
-                continue
-            self._shadow[block.block_id] = (key, covered)
-            if (
-                not host_full
-                and scanned < self._scan_window
-                and len(picked) < self._budget_blocks
-                and block.block_id not in self._ahead
-                and (covered is None or covered % self.block_size == 0)
-                and key not in self.index
-            ):
-                slot = self.index.put(key)
-                if slot is None:
-                    host_full = True  # every host slot is pinned
-                    continue
-                self.index.pin([slot])
-                self._step_pins.append(slot)
-                picked.append((block.block_id, slot))
-                self._ahead[block.block_id] = (key, self._seq)
-        self._scan_state = None if len(picked) == self._budget_blocks else state
+            key = block.block_hash
+            if key is not None and not block.is_null:
+                covered = block.block_hash_num_tokens
+                if (
+                    len(examined) < self._scan_window
+                    and block.block_id not in self._ahead
+                    and (covered is None or covered % self.block_size == 0)
+                    and key not in index
+                ):
+                    if len(picked) >= budget:
+                        break  # the next step's first pick
+                    slot = index.put(key)
+                    if slot is None:
+                        break  # every host slot is pinned
+                    index.pin([slot])
+                    self._step_pins.append(slot)
+                    picked.append((block.block_id, slot))
+                    self._ahead[block.block_id] = (key, self._seq)
+                shadow[block.block_id] = (key, covered)
+            examined[block.block_id] = None
+            cursor = block
+        self._cursor = cursor
         return picked
 
     def _next_load_chunks(self, budget: int) -> list[LoadChunk]:
@@ -556,7 +596,7 @@ class HostTierScheduler(CountsStats):
         self._evict_saves = []
         self._step_pins = []
         self._shadow = {}  # their KV no longer matches the hashes recorded
-        self._scan_state = None
+        self._cursor, self._examined = None, {}
         for load in self._load_queue.values():
             self.index.pin(load.slots)
         for load in self._inflight_loads.values():
@@ -576,10 +616,12 @@ class HostTierScheduler(CountsStats):
         queued = sum(len(x.pairs) for x in self._load_queue.values())
         return queued + sum(len(x.slots) for x in self._inflight_loads.values())
 
-    def stats(self) -> HostTierStats:
+    def stats(self) -> HostTierStats | None:
         """This interval's counters, plus the gauges: only the scheduler side
-        owns them."""
+        owns them. None when nothing was counted (vLLM drops empty stats)."""
         stats = self._take_stats()
+        if stats is None:
+            return None
         stats.data["host_bytes_in_use"] = self.host_bytes_in_use()
         stats.data["load_queue_blocks"] = self.load_queue_blocks()
         return stats

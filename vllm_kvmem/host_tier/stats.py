@@ -3,6 +3,7 @@ connector stats (logged, and on /metrics), and the counting both sides share."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,12 @@ COUNTERS = (
 )
 #: Gauges: the value at the end of the interval.
 GAUGES = ("host_bytes_in_use", "load_queue_blocks")
+#: The tier's own time in each engine step, one list per side, microseconds
+#: (the scheduler's in the engine core; the workers', one entry per worker
+#: and step).
+STEP_TIMES = ("scheduler_step_us", "worker_step_us")
+#: Histogram buckets of those step times, seconds: the goal is 50 us idle.
+STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
 
 
 @dataclass
@@ -45,6 +52,9 @@ class HostTierStats(KVConnectorStats):
             self.reset()
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        for k in STEP_TIMES:
+            if k in other.data:
+                self.data[k] = [*self.data.get(k, ()), *other.data[k]]
         for k in GAUGES:
             if k in other.data:
                 self.data[k] = other.data[k]
@@ -60,10 +70,16 @@ class HostTierStats(KVConnectorStats):
         out["host_hit_rate"] = (
             round(self.data.get("hit_tokens", 0) / looked, 4) if looked else 0.0
         )
+        for k in STEP_TIMES:
+            if times := sorted(self.data.get(k, ())):
+                out[f"{k}_p50"] = round(times[len(times) // 2], 1)
+                out[f"{k}_max"] = round(times[-1], 1)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in COUNTERS)
+        return not any(self.data.get(k, 0) for k in COUNTERS) and not any(
+            self.data.get(k) for k in STEP_TIMES
+        )
 
 
 METRIC_DOCS = {
@@ -87,6 +103,13 @@ METRIC_DOCS = {
     "copy_wait_seconds": "Seconds engine steps waited on host tier copies, summed "
     "over workers (on GPUs the compute stream's stalls on copy events, timed on "
     "the device and sampled; on CPU the copies themselves).",
+}
+STEP_DOCS = {
+    "scheduler_step_us": "Seconds the host tier's scheduler side spent in one "
+    "engine step (lookups, allocation updates, build_connector_meta, the free "
+    "queue walk, finished requests).",
+    "worker_step_us": "Seconds the host tier's worker side spent in one engine "
+    "step, per worker (saves, load starts, get_finished; on CPU the copies).",
 }
 GAUGE_DOCS = {
     "host_bytes_in_use": "Host memory holding KV blocks in the host tier.",
@@ -113,6 +136,15 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
             k: per_engine(self._gauge_cls, k, doc, multiprocess_mode="mostrecent")
             for k, doc in GAUGE_DOCS.items()
         }
+        self._step_times = {
+            k: per_engine(
+                self._histogram_cls,
+                k.replace("_us", "_seconds"),
+                doc,
+                buckets=list(STEP_BUCKETS),
+            )
+            for k, doc in STEP_DOCS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, per_engine in self._counters.items():
@@ -121,6 +153,9 @@ class HostTierPromMetrics(KVConnectorPromMetrics):
         for k, per_engine in self._gauges.items():
             if k in transfer_stats_data:
                 per_engine[engine_idx].set(transfer_stats_data[k])
+        for k, per_engine in self._step_times.items():
+            for us in transfer_stats_data.get(k, ()):
+                per_engine[engine_idx].observe(us / 1e6)
 
 
 class CountsStats:
@@ -133,14 +168,57 @@ class CountsStats:
         # Counters since start (the stats objects are handed to vLLM and
         # replaced every step).
         self.totals: dict[str, int | float] = dict.fromkeys(COUNTERS, 0)
+        self._counted = False  # anything counted this interval
 
     def _count(self, **values: int | float) -> None:
+        self._counted = True
         for k, v in values.items():
             self._stats.data[k] += v
             self.totals[k] += v
 
-    def _take_stats(self) -> HostTierStats:
-        """This interval's stats, a fresh interval started."""
+    def _take_stats(self) -> HostTierStats | None:
+        """This interval's stats, a fresh interval started; None (and the
+        same interval on) when nothing was counted, as in most steps."""
+        if not self._counted:
+            return None
         stats, self._stats = self._stats, HostTierStats()
         self._stats.reset()
+        self._counted = False
         return stats
+
+
+class StepClock:
+    """The tier's own time in the current engine step on one side, and the
+    steps not yet reported.
+
+    Step times go to vLLM in batches (every ``FLUSH_STEPS`` steps or
+    ``FLUSH_SECONDS``), so that an idle tier does not add a stats object to
+    every step's output."""
+
+    FLUSH_STEPS = 64
+    FLUSH_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self.ns = 0  # this step's so far
+        self.last_us = 0.0  # the last finished step's
+        self.steps = 0
+        self._pending: list[float] = []
+        self._flushed = time.monotonic()
+
+    def end_step(self) -> None:
+        self.last_us = self.ns / 1e3
+        self._pending.append(self.last_us)
+        self.steps += 1
+        self.ns = 0
+
+    def take_due(self) -> list[float] | None:
+        """The unreported step times, if a batch is due."""
+        if not self._pending:
+            return None
+        now = time.monotonic()
+        if len(self._pending) < self.FLUSH_STEPS and (
+            now - self._flushed < self.FLUSH_SECONDS
+        ):
+            return None
+        times, self._pending, self._flushed = self._pending, [], now
+        return times

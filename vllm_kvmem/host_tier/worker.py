@@ -125,8 +125,10 @@ class HostTierWorker(CountsStats):
         meta = kv_connector_metadata
         if self._engine is None or not isinstance(meta, HostTierMetadata):
             return
-        started = time.perf_counter()
         self._last_seq = meta.seq
+        if not (meta.fence or meta.evict_saves or meta.ahead_saves):
+            return  # nothing to copy or wait for: most steps
+        started = time.perf_counter()
         self._prune()
         fenced = set(meta.fence)
         waits = [job for job, blocks, _ in self._save_jobs if fenced & set(blocks)]
@@ -319,6 +321,8 @@ class HostTierWorker(CountsStats):
             self._load_errors.update(bad)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if not self._load_errors:
+            return set()
         errors, self._load_errors = self._load_errors, set()
         self._count(load_errors=len(errors))
         return errors
@@ -335,7 +339,7 @@ class HostTierWorker(CountsStats):
         """This interval's counters; None when nothing was counted (the gauges
         are the scheduler's)."""
         stats = self._take_stats()
-        return None if stats.is_empty() else stats
+        return None if stats is None or stats.is_empty() else stats
 
 
 def _pinning_runtime() -> Any:

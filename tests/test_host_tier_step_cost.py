@@ -1,0 +1,111 @@
+"""The host tier's per-step work on vLLM's real scheduler: bounded by what a
+step changes (blocks allocated or freed), not by the size of the free queue
+or of the host tier, and still told of every eviction.
+
+vLLM's ``Scheduler`` and ``BlockPool`` are real, driven by
+``benchmarks/tier_step_bench.py``'s harness; only the forward pass is stood
+in for (one sampled token per scheduled request), as vLLM's own scheduler
+tests do. The benchmark times the steps; this proves the structure that makes
+them cheap, with counts that do not depend on the machine's speed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, import_script
+from vllm_kvmem.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield from import_script(ROOT / "benchmarks" / "tier_step_bench.py")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("step-cost") / "m", num_layers=2)
+
+
+def _args(bench, *extra: str):
+    # 0% reuse, 4 x 256-token prompts in flight on 128 device blocks: the
+    # prefix cache evicts all the time.
+    return bench.parse_args(
+        ["--device-blocks", "128", "--requests", "32", "--prompt-tokens", "256",
+         "--output-tokens", "24", "--concurrency", "4", "--batch-tokens", "512",
+         "--keep-steps", *extra]
+    )  # fmt: skip
+
+
+def _spy_walk(counts: list[int]):
+    """Count the free-queue blocks the tier's walk visits, per step."""
+
+    def on_start(run):
+        tier = run.scheduler.connector.connector_scheduler
+        queue = tier._pool.free_block_queue
+        walk = queue.iter_blocks_after
+
+        def counted(cursor):
+            for block in walk(cursor):
+                counts[-1] += 1
+                yield block
+
+        queue.iter_blocks_after = counted
+        build = tier.build_connector_meta
+
+        def per_step(scheduler_output):
+            counts.append(0)
+            return build(scheduler_output)
+
+        tier.build_connector_meta = per_step
+
+    return on_start
+
+
+@pytest.mark.parametrize("host_blocks", [256, 65536])
+def test_walk_visits_what_a_step_changed_not_the_free_queue(bench, model, host_blocks):
+    """Each free block is walked about once per time it enters the scan
+    window: a step that allocates and frees nothing walks nothing, and the
+    whole run walks a bounded multiple of the blocks it allocated, whatever
+    the host tier's size. (The walk used to re-read the window, up to the
+    whole free queue, at every step whose queue head moved.)"""
+    counts: list[int] = []
+    result = bench.run_arm(model, _args(bench), host_blocks, _spy_walk(counts))
+    steps = result["per_step"]
+    assert len(counts) == len(steps) and len(steps) > 100
+    quiet = [n for n, s in zip(counts, steps) if not (s["allocated"] or s["finished"])]
+    assert quiet and max(quiet) == 0
+    allocated = sum(s["allocated"] for s in steps)
+    assert result["tier_counters"]["blocks_spilled"] > 100  # it did work
+    assert sum(counts) <= 2 * allocated + 128
+
+
+def test_every_eviction_reaches_the_tier_once_with_its_hash(bench, model):
+    """Evictions are found among the blocks a step allocated: exactly those
+    a spy on ``BlockPool._maybe_evict_cached_block`` sees, in vLLM's order,
+    with the hash each held."""
+    evicted: list[tuple[int, object]] = []
+    told: list[tuple[int, object]] = []
+
+    def on_start(run):
+        tier = run.scheduler.connector.connector_scheduler
+        pool = tier._pool
+        evict, on_evicted = pool._maybe_evict_cached_block, tier._on_evicted
+
+        def spy(block):
+            if block.block_hash is not None and block.ref_cnt == 0:
+                evicted.append((block.block_id, block.block_hash))
+            return evict(block)
+
+        def heard(block_id, key, covered):
+            told.append((block_id, key))
+            return on_evicted(block_id, key, covered)
+
+        pool._maybe_evict_cached_block = spy
+        tier._on_evicted = heard
+
+    bench.run_arm(model, _args(bench), 4096, on_start)
+    assert len(evicted) > 100
+    assert told == evicted
