@@ -450,6 +450,31 @@ def summarize_run(run: dict[str, Any], doc_tokens: int) -> dict[str, Any]:
     return s
 
 
+def paired_ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Host-tier / no-tier prompt throughput per reuse level, paired by
+    repeat (the runs of one repeat ran back to back): median and spread."""
+    tps: dict[tuple[str, float, int], float] = {
+        (r["config"], r["reuse"], r["repeat"]): r["summary"]["prompt_tokens_per_s"]
+        for r in runs
+        if r.get("summary")
+    }
+    out: dict[str, Any] = {}
+    for reuse in sorted({k[1] for k in tps}):
+        ratios = [
+            tps[("host", reuse, rep)] / tps[("none", reuse, rep)]
+            for (config, level, rep) in tps
+            if config == "none" and level == reuse and ("host", reuse, rep) in tps
+        ]
+        if ratios:
+            out[f"{reuse:g}"] = {
+                "median": round(statistics.median(ratios), 4),
+                "min": round(min(ratios), 4),
+                "max": round(max(ratios), 4),
+                "pairs": len(ratios),
+            }
+    return out
+
+
 def pick_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
     """One run per (config, reuse): the fastest of its repeats."""
     best: dict[tuple[str, float], dict[str, Any]] = {}
@@ -782,6 +807,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default 3; --quick: 1)",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per configuration at each reuse level above 0%% (default 1), "
+        "interleaved none, host, none, host...",
+    )
+    parser.add_argument(
         "--model-cache",
         type=Path,
         default=ROOT / "out" / "bench-model",
@@ -926,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = []
     for reuse in args.reuse:
-        repeats = args.zero_repeats if reuse == 0 else 1
+        repeats = args.zero_repeats if reuse == 0 else args.repeats
         for rep in range(repeats):
             for config in args.configs:
                 plan.append((reuse, rep, config))
@@ -1007,6 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
             "shared machine: other jobs may run beside the benchmark; "
             "loadavg_before/after per run show how busy it was",
         ),
+        "platform": "CPU",
         "versions": versions(),
         "model": {"path": str(model), **asdict(args.shape)},
         "workload": {
@@ -1055,6 +1088,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ],
         "hit_vs_recompute": hits,
+        "throughput_ratio_host_vs_none": paired_ratios(runs),
         "outputs_identical": all(known) if known else None,
         "outputs_identical_by_reuse": identical,
         "example_outputs_identical_by_reuse": example_identical,
@@ -1074,6 +1108,11 @@ def main(argv: list[str] | None = None) -> int:
     print_table(best)
     if hits["recompute"]["n"] or hits["host_hit"]["n"]:
         print_hits(hits)
+    for level, r in report["throughput_ratio_host_vs_none"].items():
+        print(
+            f"reuse {level}: throughput host/none {r['median']:.3f} "
+            f"[{r['min']:.3f}-{r['max']:.3f}] over {r['pairs']} paired repeats"
+        )
     print(f"\ngreedy outputs identical, host vs none: {report['outputs_identical']}")
     print_targets(targets)
     failed = [r for r in runs if r["summary"] is None]

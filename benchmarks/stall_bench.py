@@ -827,6 +827,7 @@ def build_report(
             "share of the CPU after idle_wait_s) and loadavg_before/after per "
             "run show how busy it was",
         ),
+        "platform": "CPU",
         "versions": versions(),
         "server_vllm_kvmem": server_kvmem,
         "pythonpath": os.environ.get("PYTHONPATH"),

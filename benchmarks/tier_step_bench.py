@@ -39,15 +39,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if str(ROOT) not in sys.path:  # the no-op connector's module, tests/
+    sys.path.insert(1, str(ROOT))
 
 from _report import print_targets, provenance, versions, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 IDLE_GOAL_US = 50.0
 #: The ``--host-blocks`` value of the do-nothing connector's arm: vLLM's own
-#: per-step work for any connector (``_noop_connector.py``).
+#: per-step work for any connector.
 NOOP = 0
+#: That connector: the tests' example connector, asking for no layout, which
+#: moves nothing (``tests/contiguous_example.py``; importable from the
+#: repository root).
+NOOP_CONNECTOR = {
+    "kv_connector": "ContiguousLayoutExampleConnector",
+    "kv_connector_module_path": "tests.contiguous_example",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"kv_cache_layout": None},
+}
 
 
 def _model_dir(shape: str, cache: Path) -> Path:
@@ -79,11 +91,7 @@ def _configs(model: Path, args: argparse.Namespace, host_blocks: int | None):
     vllm_kvmem.register()
     kv_transfer = None
     if host_blocks == NOOP:
-        kv_transfer = KVTransferConfig(
-            kv_connector="NoopConnector",
-            kv_connector_module_path="_noop_connector",
-            kv_role="kv_both",
-        )
+        kv_transfer = KVTransferConfig(**NOOP_CONNECTOR)
     elif host_blocks is not None:
         kv_transfer = KVTransferConfig(
             kv_connector="HostTierConnector",
@@ -322,28 +330,24 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
+#: Each step's figures summarised per kind of step.
+STEP_FIGURES = (
+    "tier_scheduler_us",
+    "tier_worker_us",
+    "vllm_scheduler_us",
+    "worker_calls_us",
+)
+
+
 def _summary(steps: list[dict], host_blocks: int | None, totals: dict) -> dict:
     out: dict[str, Any] = {"host_blocks": host_blocks, "steps": len(steps)}
-    for kind, pick in (("idle", False), ("busy", True)):
-        chosen = [s for s in steps if s["busy"] is pick]
-        out[kind] = {
-            key: _stats([s[key] for s in chosen])
-            for key in (
-                "tier_scheduler_us",
-                "tier_worker_us",
-                "vllm_scheduler_us",
-                "worker_calls_us",
-            )
-        }
-    out["all"] = {
-        key: _stats([s[key] for s in steps])
-        for key in (
-            "vllm_scheduler_us",
-            "worker_calls_us",
-            "tier_scheduler_us",
-            "tier_worker_us",
-        )
+    kinds = {
+        "idle": [s for s in steps if not s["busy"]],
+        "busy": [s for s in steps if s["busy"]],
+        "all": steps,
     }
+    for kind, chosen in kinds.items():
+        out[kind] = {key: _stats([s[key] for s in chosen]) for key in STEP_FIGURES}
     out["tier_counters"] = {
         k: totals.get(k, 0)
         for k in ("blocks_spilled", "bytes_saved_ahead", "bytes_saved_at_eviction",

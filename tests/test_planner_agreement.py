@@ -42,10 +42,11 @@ SINGLE = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name,opts,nbytes,ntokens,max_len,batch", SINGLE)
-def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, batch):
-    model = build_tiny_model(tmp_path / name, **opts)
+def _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch, **engine):
+    """One in-process engine and the planner, same model and flags; the
+    engine's run once the two agree."""
     kwargs = dict(model=str(model), max_model_len=max_len, enforce_eager=True)
+    kwargs.update(engine)
     if batch:
         kwargs["max_num_batched_tokens"] = batch
     if nbytes:
@@ -62,6 +63,13 @@ def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, bat
         platform="cpu",
     )
     assert_agrees(run, cap, max_len)
+    return run, cap
+
+
+@pytest.mark.parametrize("name,opts,nbytes,ntokens,max_len,batch", SINGLE)
+def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, batch):
+    model = build_tiny_model(tmp_path / name, **opts)
+    _, cap = _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch)
     if "sliding" in name:
         assert cap.blocks_per_request < max_len // 128 + 1
 
@@ -83,26 +91,9 @@ def test_real_shapes_with_dummy_weights(
     """A published architecture's KV geometry, served with random weights
     (one in-process engine start each, 20-40 s on 2 cores)."""
     model = build_shape_model(shape, tmp_path / shape, num_layers=layers)
-    kwargs = dict(
-        model=str(model), max_model_len=max_len, enforce_eager=True,
-        load_format="dummy",
-    )  # fmt: skip
-    if batch:
-        kwargs["max_num_batched_tokens"] = batch
-    if nbytes:
-        kwargs["kv_cache_memory_bytes"] = nbytes
-    else:
-        kwargs["kv_cache_tokens"] = ntokens
-    run = run_engine(kwargs, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    cap = plan_capacity(
-        model,
-        budget_bytes=nbytes,
-        budget_tokens=ntokens,
-        max_model_len=max_len,
-        max_num_batched_tokens=batch,
-        platform="cpu",
+    run, _ = _engine_agrees_with_plan(
+        model, nbytes, ntokens, max_len, batch, load_format="dummy"
     )
-    assert_agrees(run, cap, max_len)
     # One layer's block (the first KV cache group's page) and the groups
     # (Gemma 3: 22 sliding layers in 6 groups of 4, the 4 full ones in 1).
     layers = load_model(model).layers()

@@ -90,7 +90,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serving_bench as sb  # noqa: E402  (no vLLM or torch at import)
 
-ARMS = ("none", "tier", "simple_lazy", "offloading")
+ARMS = ("none", "noop", "tier", "simple_lazy", "offloading")
 DEFAULT_ARMS = ("none", "tier", "simple_lazy")
 GIB = 1 << 30
 MIB = 1 << 20
@@ -103,6 +103,11 @@ METRICS = sb.METRICS + (
     "vllm:simple_kv_offload_save_outcomes_total",
     "vllm:kv_offload_load_bytes_total",
     "vllm:kv_offload_store_bytes_total",
+    # The tier's own time per engine step, each side (its histograms).
+    "vllm:kvmem_host_scheduler_step_seconds_sum",
+    "vllm:kvmem_host_scheduler_step_seconds_count",
+    "vllm:kvmem_host_worker_step_seconds_sum",
+    "vllm:kvmem_host_worker_step_seconds_count",
 )
 #: What each server's log says about its KV caches (None when absent).
 LOG_FACTS = {
@@ -131,6 +136,24 @@ def arm_config(arm: str, host_bytes: int) -> dict[str, Any]:
     plain = {"VLLM_PLUGINS": ""}  # vLLM loads no plugin: nothing of ours runs
     if arm == "none":
         return {"flags": [], "env": {}, "unset_env": [], "what": "tier off"}
+    if arm == "noop":
+        # A connector that does nothing (the tests' example connector,
+        # asking for no layout): vLLM's own per-step work for any connector.
+        config = {
+            "kv_connector": "ContiguousLayoutExampleConnector",
+            "kv_connector_module_path": "tests.contiguous_example",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kv_cache_layout": None},
+        }
+        path = os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p
+        )
+        return {
+            "flags": ["--kv-transfer-config", json.dumps(config)],
+            "env": {**plain, "PYTHONPATH": path},
+            "unset_env": [],
+            "what": "a do-nothing KV connector (vLLM's connector plumbing alone)",
+        }
     if arm == "tier":
         return {
             "flags": ["--kv-host-cache-bytes", str(host_bytes)],
@@ -173,6 +196,21 @@ def server_cmd(arm: str, model: Path, args: argparse.Namespace) -> list[str]:
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         *arm_config(arm, args.host_bytes)["flags"],
     ]  # fmt: skip
+
+
+def tier_step_us(delta: dict[str, float]) -> dict[str, float] | None:
+    """The tier's own mean time per engine step over a run, each side, from
+    its histograms (None in the arms without the tier). The histograms are
+    sent in batches (64 steps or 1 s), so a run's last steps may fall in the
+    next run's delta."""
+    out = {}
+    for side in ("scheduler", "worker"):
+        name = f"vllm:kvmem_host_{side}_step_seconds"
+        count = delta.get(f"{name}_count")
+        if count:
+            out[f"{side}_mean_us"] = round(1e6 * delta[f"{name}_sum"] / count, 1)
+            out[f"{side}_steps"] = count
+    return out or None
 
 
 def evict_prompts(args: argparse.Namespace) -> int:
@@ -259,6 +297,10 @@ def build_plan(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "(none), paired by probe",
             "request and output-token throughput, TTFT and ITL p50/p99 per "
             "concurrency, arm/none paired per repeat",
+            "per-step profile: the tier's own mean time per engine step, "
+            "scheduler and worker side (its /metrics histograms, per run); the "
+            "noop arm (--arms none,noop,...) is vLLM's connector plumbing alone, "
+            "so its ITL against none is what any connector costs",
         ],
         "output": "$OUT/ab_offload_<gpu>.json (ab_offload_h100.json on an H100), "
         "labelled GPU; logs in --work",
@@ -602,6 +644,7 @@ class AB:
             delta = sb.metric_delta(before, server.settled_metrics())
             s = sb.summarize_client(result)
             rec["hits"] = hit_rate(delta)
+            rec["tier_step_us"] = tier_step_us(delta)
             rec["server_metrics_delta"] = delta
             rec["texts"] = result.get("generated_texts")
             rec["input_lens"] = result.get("input_lens")
