@@ -85,9 +85,17 @@ def print_rows(
         print(line)
 
 
+def _plain(value: Any) -> Any:
+    """NumPy scalars (vLLM's client computes its percentiles with NumPy, and a
+    comparison of two gives ``numpy.bool``) as the Python values they hold."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable: {value!r}")
+
+
 def write_json(out: Path, report: dict[str, Any]) -> Path:
     """Save the report; return where its plot goes (next to it)."""
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.write_text(json.dumps(report, indent=1, default=_plain) + "\n")
     return out.with_suffix(".png")
 
 
