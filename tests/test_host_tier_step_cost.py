@@ -11,7 +11,9 @@ them cheap, with counts that do not depend on the machine's speed.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -109,3 +111,58 @@ def test_every_eviction_reaches_the_tier_once_with_its_hash(bench, model):
     bench.run_arm(model, _args(bench), 4096, on_start)
     assert len(evicted) > 100
     assert told == evicted
+
+
+def test_step_times_reach_vllm_in_batches_and_prometheus_as_a_histogram(monkeypatch):
+    """The clock hands vLLM its step times every 64 steps or every second
+    (an idle tier adds no stats object to most steps' output); the stats of
+    several workers concatenate, the log line gets p50 and max, and
+    vLLM's Prometheus types make them one histogram per side."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from vllm_kvmem.host_tier import stats as st
+
+    now = [1000.0]
+    monkeypatch.setattr(st.time, "monotonic", lambda: now[0])
+    clock = st.StepClock()
+    for step in range(st.StepClock.FLUSH_STEPS - 1):
+        clock.ns = (step + 1) * 1000  # 1, 2, ... us
+        clock.end_step()
+        assert clock.take_due() is None  # neither 64 steps nor 1 s yet
+    clock.ns = 64_000
+    clock.end_step()
+    times = clock.take_due()
+    assert times == [float(i) for i in range(1, 65)] and clock.take_due() is None
+    clock.end_step()  # one more step, then a second passes
+    now[0] += st.StepClock.FLUSH_SECONDS
+    assert clock.take_due() == [0.0]
+
+    a, b = st.HostTierStats(), st.HostTierStats()
+    a.reset()
+    b.reset()
+    a.data["worker_step_us"] = [1.0, 3.0]
+    b.data["worker_step_us"] = [2.0]
+    assert not a.is_empty()
+    merged = a.aggregate(b)
+    assert merged.data["worker_step_us"] == [1.0, 3.0, 2.0]
+    reduced = merged.reduce()
+    assert reduced["worker_step_us_p50"] == 2.0 and reduced["worker_step_us_max"] == 3.0
+
+    registry = CollectorRegistry()
+
+    def bind(cls):
+        return type(cls.__name__, (cls,), {"__init__": functools.partialmethod(
+            cls.__init__, registry=registry)})  # fmt: skip
+
+    types = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = st.HostTierPromMetrics(config, types, ["engine"], {0: ["0"]})
+    prom.observe({"worker_step_us": [20.0, 3000.0], "scheduler_step_us": [40.0]}, 0)
+    name = "vllm:kvmem_host_worker_step_seconds"
+    assert registry.get_sample_value(f"{name}_count", {"engine": "0"}) == 2
+    assert registry.get_sample_value(
+        f"{name}_bucket", {"engine": "0", "le": "2.5e-05"}
+    ) == 1  # fmt: skip
+    assert registry.get_sample_value(
+        "vllm:kvmem_host_scheduler_step_seconds_sum", {"engine": "0"}
+    ) == pytest.approx(40e-6)
