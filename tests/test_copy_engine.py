@@ -18,10 +18,15 @@ import torch
 
 from tests.copy_checks import CASES, round_trip
 from vllm_kvmem.host_tier.copy_engine import (
+    AUTO_GATHER_MAX_STAGING_BYTES,
+    BATCH_BELOW_BLOCK_BYTES,
     BlockCopyEngine,
     HostBlockPool,
     KVRegion,
+    choose_strategy,
+    gather_min_copies,
     host_slot_bytes,
+    plan_strategy,
 )
 
 kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -122,7 +127,10 @@ def test_round_trip_bit_exact(device, layout, head_sizes, case):
     cache = vllm_cache(layout, head_sizes, device=device)
     assert len(cache.regions) == (1 if len(set(head_sizes)) == 1 else 2)
     engine = make_engine(cache)
-    assert engine.strategy == ("direct" if layout is BLHNC else "gather")
+    # Blocks of 28-32 KiB: on CUDA, auto gathers block-outer layouts too
+    # (calls of few copies still go direct); on CPU it copies them directly.
+    block_outer_direct = layout is BLHNC and device == "cpu"
+    assert engine.strategy == ("direct" if block_outer_direct else "gather")
     round_trip(cache, engine, *CASES[case])
 
 
@@ -304,3 +312,156 @@ def test_failure_part_way_raises_copy_error_with_a_job(layout, direction, monkey
     monkeypatch.undo()
     engine.save([1], [1])  # the engine keeps working afterwards
     engine.close()
+
+
+# -- strategy="auto": the measured rule (no GPU needed) ------------------------
+
+KIB, MIB = 1024, 1024**2
+BIG_STAGING = 1 << 40  # no staging cap: the block-size rule alone
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+@pytest.mark.parametrize("block_outer", [True, False], ids=["BLHNC", "LBHNC"])
+@pytest.mark.parametrize(
+    "block_bytes",
+    [64 * KIB, BATCH_BELOW_BLOCK_BYTES - 1, BATCH_BELOW_BLOCK_BYTES, 32 * MIB],
+    ids=["64KiB", "below", "at", "above"],
+)
+def test_choose_strategy_around_the_threshold(device_type, block_outer, block_bytes):
+    """Layer-outer always gathers; block-outer gathers only on CUDA below the
+    threshold (the H200 figures), for a call of many scattered blocks."""
+    got = choose_strategy(
+        block_outer, block_bytes, device_type, max_staging_bytes=BIG_STAGING
+    )
+    many = choose_strategy(
+        block_outer, block_bytes, device_type, 32, max_staging_bytes=BIG_STAGING
+    )
+    if not block_outer:
+        expected = "gather"
+    elif device_type == "cuda" and block_bytes < BATCH_BELOW_BLOCK_BYTES:
+        expected = "gather"
+    else:
+        expected = "direct"
+    assert got == many == expected
+
+
+def test_threshold_is_the_h200_crossover():
+    """2 MiB: the first measured size where one copy per block matched the
+    gather (48.16 / 47.79 against 47.63 / 47.68 GB/s); at 1 MiB the gather
+    was still 2-5% ahead."""
+    assert BATCH_BELOW_BLOCK_BYTES == 2 * MIB
+    assert choose_strategy(True, 1 * MIB, "cuda", 32) == "gather"
+    assert choose_strategy(True, 2 * MIB, "cuda", 32) == "direct"
+
+
+@pytest.mark.parametrize(
+    "block_bytes,need",
+    [(8 * KIB, 8), (64 * KIB, 8), (128 * KIB, 12), (256 * KIB, 16), (1 * MIB, 24)],
+)
+def test_gather_min_copies_follows_the_measured_break_even(block_bytes, need):
+    assert gather_min_copies(block_bytes) == need
+
+
+@pytest.mark.parametrize("block_bytes", [64 * KIB, 192 * KIB, 1 * MIB])
+def test_auto_copies_a_call_of_few_runs_directly(block_bytes):
+    """Consecutive blocks are one direct copy, which beat the gather at every
+    measured size; the gather takes over from gather_min_copies copies."""
+    need = gather_min_copies(block_bytes)
+    for copies, expected in ((1, "direct"), (need - 1, "direct"), (need, "gather")):
+        assert choose_strategy(True, block_bytes, "cuda", copies) == expected, copies
+    for copies in (1, need, 64):  # CPU: unchanged, always direct
+        assert choose_strategy(True, block_bytes, "cpu", copies) == "direct"
+
+
+def test_auto_staging_cap_keeps_large_blocks_direct():
+    """The staging of a block-outer gather is capped (the budget reserves
+    none there): a chunk that cannot hold gather_min_copies blocks would not
+    pay for its gather, so such blocks stay direct."""
+    cap = AUTO_GATHER_MAX_STAGING_BYTES
+    assert choose_strategy(True, 1 * MIB, "cuda", 32, max_staging_bytes=cap) == (
+        "gather"
+    )
+    assert choose_strategy(True, 3 * MIB // 2, "cuda", 32, max_staging_bytes=cap) == (
+        "direct"
+    )
+    assert choose_strategy(True, 64 * KIB, "cuda", 32, max_staging_bytes=KIB) == (
+        "direct"
+    )
+
+
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=lambda x: x.name)
+@pytest.mark.parametrize(
+    "head_sizes", [[64] * 4, [64, 64, 64, 32, 32]], ids=["one_region", "two_regions"]
+)
+def test_engine_plan_for_cuda_on_cpu_regions(layout, head_sizes):
+    """What an engine on these regions would choose on a CUDA device: the
+    engine's own choice (``plan_strategy``), fed CPU regions and a declared
+    device type, with no GPU and nothing of torch.cuda faked."""
+    cache = vllm_cache(layout, head_sizes)
+    assert host_slot_bytes(cache.regions) < BATCH_BELOW_BLOCK_BYTES
+    if layout is BLHNC:
+        assert plan_strategy(cache.regions, "cuda") == ("gather", True)
+        assert plan_strategy(cache.regions, "cpu") == ("direct", False)
+        assert plan_strategy(cache.regions, "cuda", "direct") == ("direct", False)
+    else:
+        assert plan_strategy(cache.regions, "cuda") == ("gather", False)
+        assert plan_strategy(cache.regions, "cpu") == ("gather", False)
+        with pytest.raises(ValueError, match="strategy 'direct' needs"):
+            plan_strategy(cache.regions, "cuda", "direct")
+    for device_type in ("cuda", "cpu"):
+        assert plan_strategy(cache.regions, device_type, "gather") == (
+            "gather",
+            False,
+        )
+    # The engine on CPU takes the CPU plan.
+    engine = make_engine(cache)
+    assert engine.strategy == plan_strategy(cache.regions, "cpu")[0]
+
+
+def test_engine_plan_for_cuda_with_2mib_blocks_is_direct():
+    """8B-like blocks (32 layers, 8 heads of 128, 16 tokens: 2 MiB): at the
+    threshold, one copy per block on CUDA too."""
+    cache = vllm_cache(BLHNC, [128] * 32, num_blocks=4, num_kv_heads=8)
+    assert host_slot_bytes(cache.regions) == BATCH_BELOW_BLOCK_BYTES
+    assert plan_strategy(cache.regions, "cuda") == ("direct", False)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "gather", "auto"])
+@pytest.mark.parametrize(
+    "head_sizes", [[64] * 4, [64, 64, 64, 32, 32]], ids=["one_region", "two_regions"]
+)
+def test_block_outer_round_trip_with_each_strategy(strategy, head_sizes):
+    """Many scattered blocks (what auto gathers on CUDA) and a run, with each
+    strategy on CPU; the job says which path it took."""
+    cache = vllm_cache(BLHNC, head_sizes)
+    engine = make_engine(cache, strategy=strategy)
+    path = "gather" if strategy == "gather" else "direct"
+    src = [1, 21, 9, 15, 3, 17, 11, 5, 19, 7, 13, 23]
+    slots = [30, 3, 17, 8, 0, 12, 25, 6, 19, 27, 1, 10]
+    dst = [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]
+    round_trip(cache, engine, src, slots, dst)
+    assert engine.save(src, slots).strategy == path
+    job = engine.save(list(range(4, 16)), list(range(12)))
+    assert job.strategy == path
+    # direct: one copy for the run; gather: one kernel for the merged spans
+    # (both regions), straight into the pool's one run of slots (CPU).
+    assert job.num_ops == 1
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "head_sizes", [[64] * 4, [64, 64, 64, 32, 32]], ids=["one_region", "two_regions"]
+)
+def test_direct_copy_count_matches_what_direct_issues(head_sizes):
+    """Auto's per-call choice counts direct's copies without issuing them;
+    the count must be what a direct save then issues."""
+    engine = make_engine(vllm_cache(BLHNC, head_sizes))
+    for blocks, slots in (
+        ([4, 5, 6, 9], [0, 1, 2, 3]),
+        ([9, 6, 4, 5], [3, 2, 0, 1]),
+        ([4, 5, 6, 9], [0, 1, 5, 3]),
+        (list(range(10, 20)), list(range(20, 30))),
+        ([1, 3, 5, 7, 9, 11, 13, 15, 17], [8, 7, 6, 5, 4, 3, 2, 1, 0]),
+    ):
+        _, (_, runs) = engine._call_strategy(blocks, slots)
+        assert engine._direct_copies(runs) == engine.save(blocks, slots).num_ops

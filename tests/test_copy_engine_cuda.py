@@ -10,7 +10,10 @@ LBHNC (layer-outer) and BLHNC (block-outer), one region per page size.
 installed (CI, on CPU).
 
 - bit-exact round trips on every device there is (CPU here, CUDA there):
-  direct copies, the gather path and its staging in chunks, pinned pool;
+  direct copies, the gather path and its staging in chunks, pinned pool
+  (wherever CUDA is available, also for a CPU cache); ``strategy="auto"`` on
+  a block-outer layout, which on CUDA gathers a call of many scattered small
+  blocks and copies a run directly;
 - the race test (CUDA only): a compute stream that is still busy writing the
   blocks a save reads, or the blocks a load fills. The engine orders its
   copy stream after the compute stream (``BlockCopyEngine._submit``:
@@ -43,10 +46,12 @@ import torch
 
 from tests.copy_checks import CASES, random_bytes, round_trip
 from vllm_kvmem.host_tier.copy_engine import (
+    BATCH_BELOW_BLOCK_BYTES,
     BlockCopyEngine,
     CopyJob,
     HostBlockPool,
     KVRegion,
+    gather_min_copies,
     host_slot_bytes,
 )
 from vllm_kvmem.host_tier.host_pool import TORCH_CUDART_BINDINGS
@@ -211,8 +216,11 @@ def test_plain_cache_matches_vllm():
 def test_round_trip_bit_exact(device, layout, head_sizes, case):
     cache = plain_cache(layout, head_sizes, device=device)
     engine = make_engine(cache)
-    assert engine.strategy == ("direct" if layout == "BLHNC" else "gather")
-    assert engine.pool.pinned == (device == "cuda")
+    # 28-32 KiB blocks: auto gathers them on CUDA whatever the layout.
+    block_outer_direct = layout == "BLHNC" and device == "cpu"
+    assert engine.strategy == ("direct" if block_outer_direct else "gather")
+    # The pool pins wherever CUDA is available, whatever the cache's device.
+    assert engine.pool.pinned == CUDA
     round_trip(cache, engine, *CASES[case])
     engine.close()
 
@@ -237,9 +245,34 @@ def test_large_blocks_round_trip(device):
             layout, [128] * 32, num_blocks=12, num_kv_heads=8, device=device
         )
         engine = make_engine(cache, num_slots=8)
-        assert engine.slot_bytes == 2 * 1024**2
+        assert engine.slot_bytes == 2 * 1024**2 == BATCH_BELOW_BLOCK_BYTES
+        # At the threshold: one copy per block on every device.
+        assert engine.strategy == ("direct" if layout == "BLHNC" else "gather")
         round_trip(cache, engine, [1, 2, 3, 9], [0, 1, 2, 7], [4, 5, 6, 10])
         engine.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_on_block_outer_small_blocks(device):
+    """``auto`` on BLHNC with 32 KiB blocks: on CUDA a call of many scattered
+    blocks gathers (the batched path) and a run of consecutive blocks is one
+    direct copy; on CPU both are direct. Bit exact either way."""
+    cache = plain_cache("BLHNC", [64] * 4, device=device)
+    engine = make_engine(cache)
+    assert engine.slot_bytes < BATCH_BELOW_BLOCK_BYTES
+    many = gather_min_copies(engine.slot_bytes) + 4
+    src = list(range(1, 2 * many, 2))  # every other block: one copy each
+    slots = list(range(many))[::-1]
+    dst = list(range(0, 2 * many, 2))
+    assert max(src) < 24
+    round_trip(cache, engine, src, slots, dst)
+    scattered = engine.save(src, slots)
+    run = engine.save(list(range(4, 12)), list(range(8)))
+    for job in (scattered, run):
+        job.wait()
+    assert scattered.strategy == ("gather" if device == "cuda" else "direct")
+    assert run.strategy == "direct" and run.num_ops == 1
+    engine.close()
 
 
 # -- CUDA only: bindings, races, the wait timer -----------------------------------

@@ -14,6 +14,7 @@ import torch
 from vllm_kvmem import vllm_adapter
 from vllm_kvmem.budget import kv_budget
 from vllm_kvmem.budget.runtime import DeviceLimit
+from vllm_kvmem.host_tier.copy_engine import AUTO_GATHER_MAX_STAGING_BYTES
 
 
 def _worker(device, budget=1 << 30):
@@ -129,9 +130,10 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
         "CUDA graph estimate, less 512.00 MiB for the host KV tier's staging "
         "buffers, less 150.00 MiB for headroom: 6,206.00 MiB"
     )
-    # The tier's opt-in layout (BLHNC) copies blocks directly: no staging.
+    # The tier's opt-in layout (BLHNC) copies blocks directly, but gathers a
+    # step of many small blocks on CUDA: the smaller cap, per copy stream.
     cfg.cache_config.kv_cache_layout = "BLHNC"
-    assert device_limits.staging_reserve_bytes(cfg) == 0
+    assert device_limits.staging_reserve_bytes(cfg) == 2 * AUTO_GATHER_MAX_STAGING_BYTES
     cfg.cache_config.kv_cache_layout = "LBHNC"
     assert device_limits.staging_reserve_bytes(cfg) == staging
 

@@ -10,19 +10,27 @@ layout allows, because on a GPU every ``cudaMemcpyAsync`` costs ~5-7 us no
 matter how small it is: small scattered copies are overhead-bound, large ones
 run at line rate.
 
-Two strategies, picked from the layout:
+Two strategies:
 
 ``direct`` (block-outer layouts such as BLHNC, where all layers of a block
     are adjacent): a block is one contiguous run of bytes, so it is ONE copy,
     and runs of blocks whose ids AND host slots are both consecutive are
     coalesced into one copy.
-``gather`` (layer-outer layouts such as LBHNC, where a block is scattered
-    over ``num_layers`` pages): one ``index_select`` per region gathers every
-    layer of every requested block into a staging buffer laid out like the
-    host slots, then one copy per run of consecutive host slots; loads run
-    the same in reverse with ``index_put_``. The number of operations does
-    not grow with the number of layers, nor with the number of blocks when
-    the slots are consecutive.
+``gather`` (any layout; the only one for layer-outer layouts such as LBHNC,
+    where a block is scattered over ``num_layers`` pages): one
+    ``index_select`` per region (per merged span on block-outer layouts)
+    gathers every layer of every requested block into a staging buffer laid
+    out like the host slots, then one copy per run of consecutive host slots;
+    loads run the same in reverse with ``index_put_``. The number of
+    operations does not grow with the number of layers, nor with the number
+    of blocks when the slots are consecutive.
+
+``strategy="auto"`` picks with :func:`choose_strategy`, from the first GPU
+measurements (NVIDIA H200, 2026-11-26; see :data:`BATCH_BELOW_BLOCK_BYTES`):
+layer-outer layouts gather; on CUDA, block-outer layouts whose blocks are
+smaller than :data:`BATCH_BELOW_BLOCK_BYTES` gather a call whose direct path
+would need at least :func:`gather_min_copies` copies and copy the others
+directly; larger blocks, and every block-outer layout on CPU, go direct.
 
 Everything here is torch only (no vLLM import), so it unit-tests on CPU in
 milliseconds and can be reused outside vLLM. On CUDA the copies run on a
@@ -34,6 +42,7 @@ the same API runs the copies synchronously. The byte geometry lives in
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +67,58 @@ DEFAULT_MAX_STAGING_BYTES = 256 * 1024**2
 DIRECTIONS: tuple[Direction, ...] = ("save", "load")
 COPY_STREAMS = len(DIRECTIONS)
 
+KiB = 1024
+MiB = 1024**2
+
+#: Block size (bytes of one block over all layers of one TP shard: one host
+#: slot) below which, on CUDA, batching a call's blocks (``gather``) beats
+#: one copy per block (``direct``) on block-outer layouts.
+#:
+#: Source: ``transfer_h200.json`` of the first GPU run (GPU, NVIDIA H200,
+#: 2026-11-26, torch 2.11, pinned host pool; ``benchmarks/transfer_bench.py``),
+#: 32 scattered blocks per transfer, BLHNC moved with ``direct`` (32 copies)
+#: against ``gather`` (2 operations), GB/s d2h / h2d:
+#:
+#:   block      direct           gather           gather / direct
+#:   64 KiB      5.65 /  5.72    13.23 / 13.80    2.34x / 2.41x
+#:   128 KiB    11.62 / 11.86    18.83 / 21.99    1.62x / 1.85x
+#:   256 KiB    24.79 / 23.26    28.16 / 29.81    1.14x / 1.28x
+#:   512 KiB    37.86 / 32.56    39.40 / 39.63    1.04x / 1.22x
+#:   1 MiB      43.58 / 42.96    44.56 / 45.11    1.02x / 1.05x
+#:   2 MiB      48.16 / 47.79    47.63 / 47.68    0.99x / 1.00x
+#:   4 MiB      51.36 / 50.94    49.88 / 49.96    0.97x / 0.98x
+#:   8 MiB      53.01 / 53.00    49.17 / 50.04    0.93x / 0.94x
+#:
+#: (16 and 32 MiB: direct ahead by 1-6% too.) Where the blocks are
+#: consecutive, ``direct`` is one copy per run and wins at every size (64
+#: KiB: 20.90 / 20.40 against 13.32 / 14.43 GB/s; 1 MiB: 50.03 / 49.90
+#: against 45.09 / 45.41). Not known: anything between 1 and 2 MiB (the two
+#: points also come from different shapes, 8 and 32 layers), other GPUs (no
+#: H100, no PCIe Gen4 host), other transfer lengths than 32 blocks.
+BATCH_BELOW_BLOCK_BYTES = 2 * MiB
+
+#: Fewest direct copies a call must need before gathering it pays off, at
+#: 64 KiB blocks, and how many more per doubling of the block size (see
+#: :func:`gather_min_copies`). Same H200 run, 64 KiB-1 MiB blocks: a
+#: gather of 32 blocks takes 49-90 us longer than one direct copy of 32
+#: consecutive blocks; each further direct copy costs 8.5-8.7 us at 64 KiB,
+#: 6.9-7.4 at 128 KiB, 3.7-4.3 at 256 KiB, 2.6-4.8 at 512 KiB, 3.2-3.5 at
+#: 1 MiB (from the 1-copy and 32-copy transfers). Break-even: 6.8-7.7 copies at 64 KiB,
+#: 8.5-13 at 128 KiB, 13-21 at 256 KiB, 13-25 at 512 KiB, 21-27 at 1 MiB.
+#: Only 1 and 32 copies were measured: the break-even assumes the cost grows
+#: linearly between them, and the formula is a line in log2(block size)
+#: through those break-evens. Unverified on a GPU.
+GATHER_MIN_COPIES_AT_64K = 8
+GATHER_MIN_COPIES_PER_DOUBLING = 4
+
+#: Cap on the device staging buffer when ``auto`` gathers on a block-outer
+#: layout, per copy stream; the budget reserves it on such layouts
+#: (``vllm_kvmem.budget.device_limits.staging_reserve_bytes``: 2 x 32 MiB),
+#: a smaller figure than a layer-outer layout's full gather. It holds
+#: :func:`gather_min_copies` blocks of up to about 1.2 MiB; larger blocks
+#: stay direct (the gain measured at 1 MiB is 2-5%).
+AUTO_GATHER_MAX_STAGING_BYTES = 32 * MiB
+
 
 def staging_reserve(max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES) -> int:
     """Device bytes the gather strategy's staging can hold at once: up to the
@@ -65,6 +126,90 @@ def staging_reserve(max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES) -> int:
     stream, so a buffer freed on the save stream is not reused by the load
     stream, and both stay reserved."""
     return COPY_STREAMS * max_staging_bytes
+
+
+def gather_min_copies(block_bytes: int) -> int:
+    """Fewest direct copies for which one gather of the same blocks is
+    faster on CUDA: ``8 + 4 * log2(block_bytes / 64 KiB)``, at least 8.
+
+    Each direct copy costs a fixed few microseconds, the gather a larger
+    fixed cost (index upload, kernel, the copy after it); the larger the
+    block, the more of a direct copy's cost is bandwidth the gather pays too.
+    """
+    doublings = max(0.0, math.log2(max(block_bytes, 1) / (64 * KiB)))
+    return math.ceil(
+        GATHER_MIN_COPIES_AT_64K + GATHER_MIN_COPIES_PER_DOUBLING * doublings
+    )
+
+
+def choose_strategy(
+    layout_allows_direct: bool,
+    block_bytes: int,
+    device_type: str,
+    direct_copies: int | None = None,
+    *,
+    max_staging_bytes: int = AUTO_GATHER_MAX_STAGING_BYTES,
+) -> Literal["direct", "gather"]:
+    """What ``strategy="auto"`` does (pure, so it tests without a GPU).
+
+    ``block_bytes``: one block over all regions (a host slot);
+    ``device_type``: ``torch.device.type`` of the KV cache;
+    ``direct_copies``: for one call, the copies ``direct`` would issue (one
+    per run of consecutive blocks and slots); None asks for the engine's
+    default, the choice for a call of many scattered blocks;
+    ``max_staging_bytes``: the staging cap of one gather chunk.
+
+    Layer-outer layouts can only gather. Off CUDA the copies are memcpys
+    inside the step and ``direct`` stays, as before the GPU run (on the CPU
+    run of 2026-11-21 the gather wins small scattered saves and loses the
+    loads: no clear winner). On CUDA every copy costs a fixed few microseconds,
+    so blocks below :data:`BATCH_BELOW_BLOCK_BYTES` are gathered, unless the
+    call needs fewer than :func:`gather_min_copies` direct copies (a run of
+    consecutive blocks is one copy), or a staging chunk holds fewer blocks
+    than that.
+    """
+    if not layout_allows_direct:
+        return "gather"
+    if device_type != "cuda" or block_bytes >= BATCH_BELOW_BLOCK_BYTES:
+        return "direct"
+    need = gather_min_copies(block_bytes)
+    if max_staging_bytes // max(block_bytes, 1) < need:
+        return "direct"
+    if direct_copies is not None and direct_copies < need:
+        return "direct"
+    return "gather"
+
+
+def plan_strategy(
+    regions: Sequence[KVRegion],
+    device_type: str,
+    strategy: Strategy = "auto",
+    max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
+) -> tuple[Literal["direct", "gather"], bool]:
+    """The engine's strategy for ``regions`` on a ``device_type`` device, and
+    whether each call re-chooses (``auto`` gathering a block-outer layout:
+    calls with few direct copies still go direct).
+
+    Takes the regions and a declared device type rather than an engine, so
+    the choice tests on CPU regions for a CUDA device."""
+    direct_ok = all(r.layers_adjacent for r in regions)
+    if strategy == "auto":
+        cap = min(max_staging_bytes, AUTO_GATHER_MAX_STAGING_BYTES)
+        chosen = choose_strategy(
+            direct_ok,
+            host_slot_bytes(regions),
+            device_type,
+            max_staging_bytes=cap,
+        )
+        return chosen, direct_ok and chosen == "gather"
+    if strategy == "direct" and not direct_ok:
+        raise ValueError(
+            "strategy 'direct' needs every region to keep the layers of a block "
+            "adjacent (layer_stride == page_bytes); use 'gather'"
+        )
+    if strategy not in ("direct", "gather"):
+        raise ValueError(f"unknown strategy {strategy!r}: use auto, direct, gather")
+    return strategy, False
 
 
 # Widest integer element that divides every byte quantity is used for the
@@ -86,7 +231,9 @@ class CopyJob:
     """A submitted save or load.
 
     ``num_ops`` counts the copy operations issued (memcpys and gather/scatter
-    kernels), which is what coalescing is about and what tests assert on.
+    kernels), which is what coalescing is about and what tests assert on;
+    ``strategy`` is the path the job took (``"direct"`` or ``"gather"``, empty
+    for an empty job).
     On CUDA the job completes asynchronously: ``done()`` polls its event,
     ``wait()`` blocks the host on it, and ``make_current_stream_wait()``
     makes a compute stream wait for it on the device without blocking the
@@ -103,6 +250,7 @@ class CopyJob:
     #: Issuing failed part way: the event covers the copies queued before
     #: the failure; the destination holds no complete copy.
     failed: bool = False
+    strategy: str = ""
 
     def done(self) -> bool:
         """True when the copies have finished (never blocks)."""
@@ -243,9 +391,12 @@ class BlockCopyEngine:
     Lists may be unsorted and of any length. The destinations of one call
     must be distinct.
 
-    ``strategy``: ``"auto"`` takes ``direct`` when every region keeps the
-    layers of a block adjacent, else ``gather`` (see the module docstring);
-    either can be forced (``direct`` only where the layout allows it).
+    ``strategy``: ``"auto"`` chooses with :func:`plan_strategy` (layer-outer:
+    ``gather``; block-outer: ``direct``, except on CUDA with blocks below
+    :data:`BATCH_BELOW_BLOCK_BYTES`, where each call gathers when it would
+    need :func:`gather_min_copies` direct copies or more); ``strategy`` then
+    holds the engine's default and ``CopyJob.strategy`` what a call took.
+    Either can be forced (``direct`` only where the layout allows it).
 
     On CUDA the engine owns one copy stream per direction. Every job first
     makes its stream wait for the compute stream's current position (a
@@ -325,18 +476,23 @@ class BlockCopyEngine:
             )
             host_offset += region.block_bytes
 
-        direct_ok = all(r.layers_adjacent for r in self.regions)
-        if strategy == "auto":
-            strategy = "direct" if direct_ok else "gather"
-        elif strategy == "direct" and not direct_ok:
-            raise ValueError(
-                "strategy 'direct' needs every region to keep the layers of a block "
-                "adjacent (layer_stride == page_bytes); use 'gather'"
+        chosen, per_call = plan_strategy(
+            self.regions, self.device.type, strategy, self.max_staging_bytes
+        )
+        self.strategy: Literal["direct", "gather"] = chosen
+        #: ``auto`` gathering a block-outer layout: each call re-chooses from
+        #: its number of direct copies (:func:`choose_strategy`).
+        self._per_call = per_call
+        if per_call:
+            # The budget reserves no staging for block-outer layouts.
+            self._staging_cap = min(
+                self.max_staging_bytes, AUTO_GATHER_MAX_STAGING_BYTES
             )
-        elif strategy not in ("direct", "gather"):
-            raise ValueError(f"unknown strategy {strategy!r}: use auto, direct, gather")
-        self.strategy: Literal["direct", "gather"] = strategy
-        self._spans = self._build_spans() if strategy == "direct" else []
+        else:
+            self._staging_cap = self.max_staging_bytes
+        direct_ok = all(r.layers_adjacent for r in self.regions)
+        self._spans = self._build_spans() if direct_ok else []
+        self._gather_views = self._build_gather_views()
 
     # -- setup helpers ------------------------------------------------------
 
@@ -354,6 +510,32 @@ class BlockCopyEngine:
             if all(q % size == 0 for q in quantities):
                 return size, dtype
         raise AssertionError("unreachable: every quantity is a multiple of 1")
+
+    def _build_gather_views(self) -> list[tuple[torch.Tensor, int, tuple[int, ...]]]:
+        """``(device view, host offset, row shape)`` per gather: dim 0 of the
+        view indexes blocks, a row lands at ``host offset`` in a host slot.
+
+        Block-outer layouts gather their merged spans (one kernel per span,
+        usually one in all); others one ``[blocks, layers, page]`` view per
+        region."""
+        if self._spans:
+            return [
+                (
+                    torch.as_strided(
+                        span.base,
+                        (self.num_blocks, span.length),
+                        (span.block_stride, 1),
+                        span.base.storage_offset() + span.offset,
+                    ),
+                    span.host_offset,
+                    (span.length,),
+                )
+                for span in self._spans
+            ]
+        return [
+            (plan.layer_view(), plan.host_offset, (plan.num_layers, plan.page))
+            for plan in self._plans
+        ]
 
     def _widen(self, base: torch.Tensor) -> torch.Tensor:
         e = self._elem_bytes
@@ -508,18 +690,33 @@ class BlockCopyEngine:
         n = len(blocks)
         if n == 0:
             return CopyJob(direction, 0, 0, 0)
-        issue = self._issue_direct if self.strategy == "direct" else self._issue_gather
+        strategy, direct_runs = self._call_strategy(blocks, slots)
+
+        def issue(keep: list[torch.Tensor]) -> int:
+            if strategy == "direct":
+                return self._issue_direct(direction, *direct_runs)
+            return self._issue_gather(direction, blocks, slots, keep)
+
         keep: list[torch.Tensor] = []
         stream = self._streams.get(direction)
         if stream is None:
             # CPU: every earlier job is complete, so ``after`` holds already.
             try:
-                num_ops = issue(direction, blocks, slots, keep)
+                num_ops = issue(keep)
             except Exception as exc:
                 # What was copied before the failure is done: nothing to track.
-                job = CopyJob(direction, n, n * self.slot_bytes, 0, failed=True)
+                job = CopyJob(
+                    direction,
+                    n,
+                    n * self.slot_bytes,
+                    0,
+                    failed=True,
+                    strategy=strategy,
+                )
                 raise CopyError(direction, n, exc, job) from exc
-            return CopyJob(direction, n, n * self.slot_bytes, num_ops)
+            return CopyJob(
+                direction, n, n * self.slot_bytes, num_ops, strategy=strategy
+            )
         # Device-side ordering only: the copy stream starts where the compute
         # stream is now and after the jobs it depends on; the host is never
         # blocked.
@@ -528,15 +725,58 @@ class BlockCopyEngine:
             job.make_current_stream_wait(stream)
         with torch.cuda.stream(stream):
             try:
-                num_ops = issue(direction, blocks, slots, keep)
+                num_ops = issue(keep)
             except Exception as exc:
-                raise CopyError(
-                    direction, n, exc, self._track_partial(direction, n, stream, keep)
-                ) from exc
+                partial = self._track_partial(direction, n, stream, keep)
+                if partial is not None:
+                    partial.strategy = strategy
+                raise CopyError(direction, n, exc, partial) from exc
             event = torch.cuda.Event()
             event.record(stream)
         return CopyJob(
-            direction, n, n * self.slot_bytes, num_ops, event, self.device, keep
+            direction,
+            n,
+            n * self.slot_bytes,
+            num_ops,
+            event,
+            self.device,
+            keep,
+            strategy=strategy,
+        )
+
+    def _call_strategy(
+        self, blocks: list[int], slots: list[int]
+    ) -> tuple[
+        Literal["direct", "gather"], tuple[list[tuple[int, int]], list[tuple[int, int]]]
+    ]:
+        """The path of one call, and direct's ``(pairs, runs)`` when that is
+        the path: under ``auto`` on a block-outer layout, a call that direct
+        moves in few copies (consecutive blocks into consecutive slots) is
+        cheaper as those copies than as one gather."""
+        if self.strategy == "gather" and not self._per_call:
+            return "gather", ([], [])
+        pairs = sorted(zip(blocks, slots))
+        sorted_slots = [s for _, s in pairs]
+        runs = self._host_runs(_runs([b for b, _ in pairs], sorted_slots), sorted_slots)
+        if self.strategy == "direct":
+            return "direct", (pairs, runs)
+        copies = self._direct_copies(runs)
+        chosen = choose_strategy(
+            True,
+            self.slot_bytes,
+            self.device.type,
+            copies,
+            max_staging_bytes=self._staging_cap,
+        )
+        return chosen, (pairs, runs)
+
+    def _direct_copies(self, runs: list[tuple[int, int]]) -> int:
+        """Copies :meth:`_issue_direct` issues for ``runs``."""
+        whole = [span.block_stride == span.length == self._slot for span in self._spans]
+        return sum(
+            1 if count == 1 or contiguous else count
+            for _, count in runs
+            for contiguous in whole
         )
 
     def _track_partial(
@@ -565,18 +805,13 @@ class BlockCopyEngine:
     def _issue_direct(
         self,
         direction: Direction,
-        blocks: list[int],
-        slots: list[int],
-        keep: list[torch.Tensor],
+        pairs: list[tuple[int, int]],
+        runs: list[tuple[int, int]],
     ) -> int:
-        """One copy per run of consecutive (block, slot) pairs per span."""
-        pairs = sorted(zip(blocks, slots))
-        sorted_blocks = [b for b, _ in pairs]
-        sorted_slots = [s for _, s in pairs]
+        """One copy per run of consecutive (block, slot) pairs per span;
+        ``pairs`` sorted by block, ``runs`` as positions in ``pairs``."""
         num_ops = 0
-        for start, count in self._host_runs(
-            _runs(sorted_blocks, sorted_slots), sorted_slots
-        ):
+        for start, count in runs:
             block0, slot0 = pairs[start]
             for span in self._spans:
                 dev = span.rows(block0, count)
@@ -634,7 +869,7 @@ class BlockCopyEngine:
     ) -> int:
         """Gather/scatter all layers at once through a slot-shaped staging buffer."""
         pairs = sorted(zip(slots, blocks))
-        chunk = max(1, self.max_staging_bytes // self.slot_bytes)
+        chunk = max(1, self._staging_cap // self.slot_bytes)
         every = [s for s, _ in pairs]
         if not self._is_cuda and len(self._host_runs(_runs(every), every)) == 1:
             chunk = len(pairs)  # gathered straight into the pool: no staging
@@ -662,16 +897,16 @@ class BlockCopyEngine:
                         self._pool[slot0 : slot0 + count],
                     )
                     num_ops += 1
-            for plan in self._plans:
-                width = plan.num_layers * plan.page
-                rows = staging[:, plan.host_offset : plan.host_offset + width]
-                rows = rows.view(m, plan.num_layers, plan.page)
+            for view, host_offset, row_shape in self._gather_views:
+                width = math.prod(row_shape)
+                rows = staging[:, host_offset : host_offset + width]
+                rows = rows.view(m, *row_shape)
                 if direction == "save":
-                    torch.index_select(plan.layer_view(), 0, index, out=rows)
+                    torch.index_select(view, 0, index, out=rows)
                 else:
                     # index_put_ rather than index_copy_: same single
                     # scatter, measured ~15% faster on CPU.
-                    plan.layer_view().index_put_((index,), rows)
+                    view.index_put_((index,), rows)
                 num_ops += 1
             if direction == "save" and not in_place:
                 for start, count in slot_runs:
@@ -685,6 +920,8 @@ class BlockCopyEngine:
 
 
 __all__ = [
+    "AUTO_GATHER_MAX_STAGING_BYTES",
+    "BATCH_BELOW_BLOCK_BYTES",
     "COPY_STREAMS",
     "DEFAULT_MAX_STAGING_BYTES",
     "BlockCopyEngine",
@@ -692,6 +929,9 @@ __all__ = [
     "CopyJob",
     "HostBlockPool",
     "KVRegion",
+    "choose_strategy",
+    "gather_min_copies",
     "host_slot_bytes",
+    "plan_strategy",
     "staging_reserve",
 ]
