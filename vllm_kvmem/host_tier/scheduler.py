@@ -302,7 +302,7 @@ class HostTierScheduler(CountsStats):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        if self.enabled:
+        if self.enabled and self._pool is not None:  # read at the next meta
             for group_blocks in blocks.blocks:
                 self._allocated.extend(b.block_id for b in group_blocks)
         looked, hit = self._lookups.pop(request.request_id, (0, 0))
