@@ -1,25 +1,38 @@
 """scripts/gpu/ on a machine without a GPU: what a CPU can check.
 
-- pieces: split and rebuild round trip with sha256 (small synthetic files),
-  a corrupted or missing piece refused by name, partial rebuilds;
+- pieces (``transport/``): split and rebuild round trip with sha256 (small
+  synthetic files), a corrupted or missing piece refused by name, partial
+  rebuilds;
 - the requirement diff of ``fetch_wheels.py`` on a fixed synthetic pip
   report: markers, extras, the fixed point (requirements of packages that
-  are not carried do not count), plans, estimates, the rendered report;
-- ``install_pieces.py status`` and ``check``;
+  are not carried do not count), plans, estimates from the costs measured
+  on the H200, the rendered report;
+- ``install_pieces.py take`` (each call's carried piece copied out of the
+  checkout into the store, as the calls replace each other's carried
+  folder), ``status`` and ``check``;
+- outputs named after the GPU (``gpu_common.py``, a stand-in ``nvidia-smi``)
+  and labelled GPU; ``VLLM_USE_FLASHINFER_SAMPLER=0`` in every engine's and
+  server's environment (stage 2's engines, the A/B's and the real-size
+  run's servers, ``stage2.sh``);
 - ``stage1.sh --dry-run`` and ``stage2.sh --dry-run``;
 - issue 30's A/B (``ab_offload.py``): its dry run (the plan, no torch or
   vLLM imported), its arms' flags as vLLM 0.32 parses them and the connector
-  keys its sources read, and its figures from synthetic runs.
+  keys its sources read, and its figures from synthetic runs;
+- issue 36's real-size run (``real_size.py``): its dry run (plan, schedule,
+  estimate within ``--max-wall-s``, the model folder written), its servers'
+  flags as vLLM 0.32 parses them, and its whole sequence with stand-ins.
 
 No network, nothing downloaded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,21 +43,27 @@ from tests.helpers import import_script
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "scripts" / "gpu"
+TRANSPORT = GPU / "transport"
 
 
 @pytest.fixture(scope="module")
 def pieces():
-    yield from import_script(GPU / "pieces.py")
+    yield from import_script(TRANSPORT / "pieces.py")
 
 
 @pytest.fixture(scope="module")
 def fetch():
-    yield from import_script(GPU / "fetch_wheels.py")
+    yield from import_script(TRANSPORT / "fetch_wheels.py")
 
 
 @pytest.fixture(scope="module")
 def installer():
-    yield from import_script(GPU / "install_pieces.py")
+    yield from import_script(TRANSPORT / "install_pieces.py")
+
+
+@pytest.fixture(scope="module")
+def common():
+    yield from import_script(GPU / "gpu_common.py")
 
 
 def _files(tmp_path: Path, sizes: list[int]) -> list[Path]:
@@ -129,6 +148,54 @@ def test_install_pieces_status(installer, pieces, tmp_path, capsys):
     assert installer.main(["status", "--root", str(root)]) == 3
     out = capsys.readouterr().out
     assert "2 of 3 pieces present" in out and "p003: missing" in out
+
+
+def _take(tmp_path: Path, store: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TRANSPORT / "install_pieces.py"), "take", *args],
+        cwd=tmp_path / "checkout",
+        env=dict(os.environ, KVMEM_PIECE_STORE=str(store)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_take_keeps_each_calls_piece_outside_the_checkout(installer, pieces, tmp_path):
+    """As on the H200 (2026-11-26): a carried path replaces its whole
+    top-level folder, so each call's checkout holds only that call's piece.
+    Each call takes it into the store; the store ends complete and is what
+    the install reads."""
+    files = _files(tmp_path, [5000, 300])
+    cut = tmp_path / "cut" / "torch211"
+    manifest = pieces.split(files, cut, piece_bytes=2048, meta={"plan": "torch211"})
+    store = tmp_path / "store"
+    carried = tmp_path / "checkout" / ".gpu-wheels" / "torch211"
+    dest = store / "gpu-wheels" / "torch211"
+    assert installer.store_for(Path(".gpu-wheels/torch211"), store) == dest
+    assert installer.store_for(Path(".gpu-wheels-0.33.0/torch211"), store) == (
+        store / "gpu-wheels-0.33.0" / "torch211"
+    )
+    for n, p in enumerate(manifest["pieces"], 1):
+        # The call's carried path: .gpu-wheels holds this piece alone.
+        shutil.rmtree(tmp_path / "checkout", ignore_errors=True)
+        shutil.copytree(cut / p["folder"], carried / p["folder"])
+        proc = _take(tmp_path, store, ".gpu-wheels/torch211")
+        last = n == len(manifest["pieces"])
+        assert proc.returncode == (0 if last else 3), proc.stdout + proc.stderr
+        assert (
+            f"took {p['folder']} from .gpu-wheels/torch211 into {dest}" in proc.stdout
+        )
+        assert f"{n} of {len(manifest['pieces'])} pieces present" in proc.stdout
+    again = _take(tmp_path, store, ".gpu-wheels/torch211")  # idempotent
+    assert again.returncode == 0 and "took nothing new" in again.stdout
+    assert installer.main(["status", "--root", str(dest), "--hash"]) == 0
+    (tmp_path / "checkout" / ".gpu-wheels").rename(tmp_path / "gone")  # next call
+    out = pieces.join(dest, tmp_path / "wheels", manifest)
+    assert [w.read_bytes() for w in out] == [f.read_bytes() for f in files]
+    # Nothing carried and nothing in the store yet: says so, exit 3.
+    empty = _take(tmp_path, tmp_path / "empty", ".gpu-wheels/torch211")
+    assert empty.returncode == 3 and "no piece folder carried" in empty.stdout
 
 
 def test_install_pieces_check_finds_unmet_requirements(installer, tmp_path):
@@ -339,28 +406,48 @@ def test_estimates_and_report(fetch, tree):
     report = report_for(model)
     json.dumps(report)  # JSON-able
     assert report["plans"]["core"]["estimate"]["calls"] == 14  # 800 MiB / 60
-    # 14 piece calls do not fit 15 device minutes; vLLM alone (5) does.
-    assert not report["plans"]["core"]["estimate"]["fits_with_stage1"]
-    assert report["chosen"] == "torch211"
+    # At the measured 8 s a piece call, 14 calls fit 15 device minutes too;
+    # the choice stays the plan that has run on the machine (fewest calls).
+    assert report["plans"]["core"]["estimate"]["fits_with_stage1"]
+    assert report["chosen"] == "torch211" == fetch.PROVEN_PLAN
+    estimates = {p: info["estimate"] for p, info in report["plans"].items()}
+    assert fetch.choose_plan(estimates, prefer=None) == "full"  # most complete
     text = fetch.render_markdown(report)
     assert "**Chosen plan: `torch211`.**" in text and "- a note" in text
+    assert "It is the plan that has run on the machine" in text
     assert "| torch | 2.13.0 | 2.11.0 | torch | 500.0 |" in text
     assert "fits 15 min" in text and "15 device minutes per session" in text
-    # With 30 device minutes, the most complete plan that fits.
-    wide = report_for(dataclasses.replace(model, device_budget_s=30 * 60.0))
-    assert wide["chosen"] == "full"
-    assert "fits 30 min" in fetch.render_markdown(wide)
+    assert "measured on the first GPU run" in text
+    # Too short a session for any plan: the smallest, with the advice.
+    tight = report_for(dataclasses.replace(model, device_budget_s=5 * 60.0))
+    assert tight["chosen"] == "torch211" and "session of its own" in tight["chosen_why"]
+    assert "fits 5 min" in fetch.render_markdown(tight)
 
 
-def test_the_device_time_model_takes_item_g_from_the_ab_script(fetch, ab):
-    """Stage 2's first run in the model is issue 30's A/B, timed by
-    ab_offload.py's own estimate for its default arms."""
-    assert fetch.CallModel().stage2_runs_s == ab.estimate_s(ab.parse_args([]))
+def test_the_device_time_model_is_the_h200_runs(fetch, common):
+    """CallModel's costs are those measured on the first GPU run."""
+    model = fetch.CallModel()
+    measured = common.MEASURED_S
+    assert model.cold_start_s == measured["cold_start"] == 30
+    assert model.per_piece_call_s == measured["piece_call"] == 8
+    assert model.stage1_s == measured["stage1"]
+    # install and probe of the torch211 plan's 344 MiB: about 30 s
+    assert model.install_fixed_s + 344 / 1024 * model.install_s_per_gib == (
+        pytest.approx(measured["install_and_probe"], abs=1)
+    )
+
+
+def test_the_device_time_model_takes_the_real_size_run(fetch, real):
+    """Stage 2's first run in the model is the next session's real-size run:
+    its --max-wall-s, which its default plan fits."""
+    args = real.parse_args([])
+    assert fetch.CallModel().stage2_runs_s == args.max_wall_s
+    assert real.build_plan(args)["estimate_s"] <= args.max_wall_s
 
 
 def test_committed_size_report_is_consistent(fetch):
     """The committed report came from a real run and says what it chose."""
-    report = json.loads((GPU / "size_report.json").read_text())
+    report = json.loads((TRANSPORT / "size_report.json").read_text())
     assert set(report["plans"]) == set(fetch.PLANS)
     assert report["chosen"] in fetch.PLANS
     full = report["plans"]["full"]["estimate"]
@@ -369,28 +456,80 @@ def test_committed_size_report_is_consistent(fetch):
     assert report["call_model"] == dataclasses.asdict(fetch.CallModel())
     assert report["plans"][report["chosen"]]["estimate"]["fits_with_stage1"]
     assert report["pieces"]["plan"] == report["chosen"]
-    assert (GPU / "size_report.md").read_text().startswith("# Wheels for vLLM")
+    md = (TRANSPORT / "size_report.md").read_text()
+    assert md.startswith("# Wheels for vLLM")
+    # Re-estimated with today's CallModel: rendering again changes nothing.
+    again = fetch.rerender(report, fetch.CallModel(), report["notes"][-1])
+    assert again == report and fetch.render_markdown(again) == md
 
 
 # -- the stage scripts ---------------------------------------------------------------
 
 
-def _run(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+def _run(
+    script: str, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    full = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    full.update(env or {})
     return subprocess.run(
         ["bash", str(GPU / script), *args],
         cwd=ROOT,
-        env=env,
+        env=full,
         capture_output=True,
         text=True,
         timeout=240,
     )
 
 
-def test_stage1_dry_run(tmp_path):
-    proc = _run("stage1.sh", tmp_path, "--dry-run")
+H200_SMI = "NVIDIA H200, 143771 MiB, 580.159.04"
+
+
+@pytest.fixture()
+def fake_gpu(tmp_path: Path) -> dict[str, str]:
+    """PATH with an ``nvidia-smi`` that answers as the H200 of 2026-11-26."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{H200_SMI}'\n")
+    smi.chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_outputs_are_named_and_labelled_after_the_gpu(common, tmp_path, fake_gpu):
+    assert common.device_suffix("NVIDIA H100 80GB HBM3") == "h100"
+    assert common.device_suffix("NVIDIA H200") == "h200"
+    assert common.device_suffix("NVIDIA H100 NVL") == "h100"
+    assert common.device_suffix("NVIDIA GH200 480GB") == "nvidia_gh200_480gb"
+    assert common.device_suffix("NVIDIA A10G") == "nvidia_a10g"
+    assert common.device_suffix("") == "gpu"
+    tool = [sys.executable, str(GPU / "gpu_common.py")]
+    got = subprocess.run([*tool, "suffix"], env=dict(os.environ, **fake_gpu),
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert got.stdout.strip() == "h200", got.stderr
+    result = tmp_path / "transfer_h200.json"
+    result.write_text(json.dumps({"device": "cuda", "device_name": "NVIDIA H200"}))
+    subprocess.run([*tool, "label", str(result), "--command", "x"], check=True,
+                   env=dict(os.environ, **fake_gpu), timeout=60)  # fmt: skip
+    data = json.loads(result.read_text())
+    assert data["platform"] == "GPU" and data["device"] == "cuda"  # kept
+    assert data["label"].startswith("GPU: NVIDIA H200, measured 20")
+    assert data["gpu"] == {
+        "name": "NVIDIA H200",
+        "memory": "143771 MiB",
+        "driver": "580.159.04",
+    }
+    assert common.gpu_memory_gib(data["gpu"]) == pytest.approx(140.4, abs=0.1)
+    # Without a GPU: "cpu", nothing labelled.
+    no_gpu = dict(os.environ, PATH=str(tmp_path / "nowhere"))
+    got = subprocess.run([*tool, "suffix"], env=no_gpu, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert got.stdout.strip() == "cpu"
+
+
+def test_stage1_dry_run(tmp_path, fake_gpu):
+    proc = _run("stage1.sh", tmp_path, "--dry-run", env=fake_gpu)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    names = {p.name for p in tmp_path.iterdir()}
+    names = {p.name for p in tmp_path.iterdir()} - {"fake-bin"}
     assert {
         "stage1.log",
         "stage1_pytest.xml",
@@ -403,38 +542,90 @@ def test_stage1_dry_run(tmp_path):
     assert len(names) <= 8  # what a device call brings back
     log = (tmp_path / "stage1.log").read_text()
     assert "DRY RUN" in log and "pytest: exit 0" in log
+    # Named after the GPU nvidia-smi names (here the stand-in's H200).
+    assert "GPU: h200" in log and "transfer_h200.json" in log
+    assert "transfer_h100" not in (GPU / "stage1.sh").read_text()
+    # Carried pieces are taken out of the checkout first (none here).
+    assert "=== pieces" in log and "pieces: exit 0" in log
     report = json.loads((tmp_path / "transfer_cpu_dryrun.json").read_text())
     assert report["pageable"]["results"] and report["overlap"]["results"]
 
 
 def test_stage2_dry_run(tmp_path):
-    proc = _run("stage2.sh", tmp_path, "--dry-run", "--items", "ae")
+    store = tmp_path / "store"
+    env = {"KVMEM_PIECE_STORE": str(store)}
+    proc = _run("stage2.sh", tmp_path, "--dry-run", "--items", "ae", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     # The plan that fits a 15-minute session is the default.
     assert "vLLM 0.32.0 plan torch211 items ae" in proc.stdout
+    # Every engine without flashinfer's sampler (flashinfer is not carried).
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in proc.stdout
+    # The install reads the pieces from the store, never from the checkout.
+    assert f"install --root {store}/gpu-wheels/" in proc.stdout
     bad = _run("stage2.sh", tmp_path, "--dry-run", "--plan", "lean")
     assert bad.returncode == 2 and "--plan lean: torch211 or core" in bad.stdout
     plan = json.loads((tmp_path / "stage2_plan.json").read_text())
     assert set(plan["items"]) == {"a", "e"}
     assert all(plan["items"].values())
-    assert "UNVERIFIED" in (GPU / "stage2.sh").read_text()
+    assert plan["server_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    # From an eager engine start measured on the H200 (35 s): a 2, e 3.
+    assert plan["estimate_s"] == {"a": 70.0, "e": 120.0}
     bad = _run("stage2.sh", tmp_path, "--dry-run", "--items", "az")
     assert bad.returncode != 0 and "unknown items" in bad.stdout + bad.stderr
+
+
+@pytest.fixture(scope="module")
+def stage2():
+    yield from import_script(GPU / "stage2.py")
+
+
+def test_stage2_engines_get_the_flashinfer_switch_and_flash_attn(
+    stage2, tmp_path, monkeypatch
+):
+    """Every engine's environment has VLLM_USE_FLASHINFER_SAMPLER=0 (unless
+    the caller set it), and items c and e ask for FLASH_ATTN as vLLM 0.32
+    reads it (an engine argument; it has no VLLM_ATTENTION_BACKEND)."""
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(kw["env"])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.setattr(stage2.subprocess, "run", fake_run)
+    runner = stage2.Runner(tmp_path, tmp_path / "model", 10.0)
+    runner.engine("x", {"llm": {}})
+    assert seen[-1]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # the caller's wins
+    runner.engine("y", {"llm": {}})
+    assert seen[-1]["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    specs = []
+    monkeypatch.setattr(
+        runner, "engine", lambda name, spec, **env: specs.append((spec, env)) or {}
+    )
+    for item in (stage2.item_c, stage2.item_e):
+        with contextlib.suppress(Exception):
+            item(runner)
+    assert len(specs) == 5
+    for spec, env in specs:
+        assert spec["llm"]["attention_backend"] == "FLASH_ATTN"
+        assert spec["llm"]["dtype"] == "bfloat16"
+        assert "VLLM_ATTENTION_BACKEND" not in env
 
 
 def test_rehearsal_of_torch211_refuses_without_its_pieces(tmp_path):
     env = dict(os.environ, PIECES=str(tmp_path / "none"))
     proc = subprocess.run(
-        ["bash", str(GPU / "rehearse_torch211.sh"), str(tmp_path / "work")],
+        ["bash", str(TRANSPORT / "rehearse_torch211.sh"), str(tmp_path / "work")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "run scripts/gpu/fetch_wheels.py first" in proc.stdout
+    assert "run scripts/gpu/transport/fetch_wheels.py first" in proc.stdout
 
 
 @pytest.fixture(scope="module")
 def rehearse():
-    yield from import_script(GPU / "rehearse_torch211.py")
+    yield from import_script(TRANSPORT / "rehearse_torch211.py")
 
 
 def test_rehearsal_of_torch211_names_modules_vllm_032_has(rehearse):
@@ -479,7 +670,8 @@ def test_ab_offload_dry_run_plan(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     plan = json.loads((tmp_path / "ab_offload_plan.json").read_text())
     assert plan["imported_torch_or_vllm"] == []  # nothing of CUDA, no engine
-    assert "UNVERIFIED" in plan["status"]
+    assert "H200 on 2026-11-26" in plan["status"]
+    assert plan["server_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert list(plan["arms"]) == arms.split(",")
     cmds = {a: plan["arms"][a]["server"] for a in plan["arms"]}
     # Same model, device KV, batching and block size in every arm.
@@ -509,11 +701,15 @@ def test_ab_offload_dry_run_plan(tmp_path):
     assert wl["concurrencies"] == [4, 8] and wl["prefix_len"] == 384
     assert wl["levels"]["high"]["num_prefixes"] == 16
     assert wl["probes"]["evict_prompts"] * 416 > 2 * 2048  # overflows the device
-    assert "_h100" in plan["output"]
+    assert "ab_offload_<gpu>.json" in plan["output"] and "h200" in plan["output"]
     # The default leaves the third arm out (the issue: "if device time allows").
     proc = _ab_dry_run(tmp_path)
     plan = json.loads((tmp_path / "ab_offload_plan.json").read_text())
     assert list(plan["arms"]) == ["none", "tier", "simple_lazy"]
+    # One repeat (two did not fit the H200's 320 s), estimated from the costs
+    # measured there: the run took 332 s.
+    assert plan["workload"]["repeats"] == 1
+    assert plan["estimate_s"] == pytest.approx(330, abs=10)
     assert plan["estimate_s"] < plan["max_wall_s"] < 600
     bad = _ab_dry_run(tmp_path, "--arms", "tier,lmcache")
     assert bad.returncode != 0 and "unknown" in bad.stderr
@@ -656,11 +852,16 @@ def _run_stage2_g(tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 class _FakeServer:
-    """Stands in for a vLLM server: counters grow with every request."""
+    """Stands in for a vLLM server: counters grow with every request, and its
+    log with one of vLLM's per-step lines (decode-only) per metrics read."""
+
+    made: list[_FakeServer] = []
 
     def __init__(self, config, cmd_args, env, log):
         self.config, self.args, self.env, self.port = config, cmd_args, env, 1
         self.hits = 0.0
+        self.log = "GPU KV cache size: 2,048 tokens, x\nUsing FLASH_ATTN backend.\n"
+        _FakeServer.made.append(self)
 
     def start(self):
         return 1.0
@@ -669,7 +870,7 @@ class _FakeServer:
         pass
 
     def log_text(self):
-        return "GPU KV cache size: 2,048 tokens, x"
+        return self.log
 
     def log_tail(self):
         return ""
@@ -679,6 +880,11 @@ class _FakeServer:
 
     def settled_metrics(self):
         self.hits += 0 if self.config == "none" else 384.0
+        self.log += (
+            "INFO Iteration(7): 0 context requests, 0 context tokens, 16 "
+            "generation requests, 16 generation tokens, iteration elapsed time: "
+            "2.50 ms, GPU KV cache usage: 40.0%\n"
+        )
         return {
             "vllm:external_prefix_cache_hits_total": self.hits,
             "vllm:external_prefix_cache_queries_total": 2 * self.hits + 1,
@@ -713,18 +919,24 @@ def test_ab_offload_main_with_stand_ins(ab, tmp_path, monkeypatch):
     monkeypatch.setattr(ab.sb, "warm_up", lambda *a: None)
     monkeypatch.setattr(ab.sb, "run_client", client)
     monkeypatch.setattr(ab.sb, "ensure_model", lambda cache: cache)
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     args = ab.parse_args(
         ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
          "--model-cache", str(tmp_path / "model"), "--probes", "1"]
     )  # fmt: skip
     args.out.mkdir()
-    gpu = {"name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "driver": "x"}
+    _FakeServer.made.clear()
+    gpu = {"name": "NVIDIA H200", "memory": "143771 MiB", "driver": "x"}
     assert ab.AB(args, gpu, ["--probes", "1"]).main() == 0
     (path,) = (tmp_path / "out").iterdir()
-    assert path.name == "ab_offload_h100.json"
+    assert path.name == "ab_offload_h200.json"  # the GPU that ran it
+    # Every server without flashinfer's sampler (not carried: engines fail).
+    assert {s.config for s in _FakeServer.made} == {"none", "tier", "simple_lazy"}
+    assert all(s.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" for s in _FakeServer.made)
     report = json.loads(path.read_text())
-    assert report["platform"] == "GPU" and "H100" in report["label"]
-    assert len(report["probes"]) == 3 and len(report["runs"]) == 3 * 2 * 2
+    assert report["platform"] == "GPU" and "H200" in report["label"]
+    assert report["device"]["name"] == "NVIDIA H200"
+    assert len(report["probes"]) == 3 and len(report["runs"]) == 3 * 2 * 1
     assert all("texts" not in r and r["summary"] for r in report["runs"])
     assert report["servers"]["tier"]["cmd"][-2:] == [
         "--kv-host-cache-bytes",
@@ -733,10 +945,185 @@ def test_ab_offload_main_with_stand_ins(ab, tmp_path, monkeypatch):
     probes = report["summary"]["ttft_probes"]
     assert probes["tier"]["repeat_host_hit_tokens"] == [384.0]
     c8 = report["summary"]["throughput"]["high@c8"]
-    assert c8["simple_lazy"]["greedy_vs_none"]["matching"] == 2 * 96
+    assert c8["simple_lazy"]["greedy_vs_none"]["matching"] == 96
     assert c8["tier"]["host_hit_rate"]["median"] == pytest.approx(0.5)
     # Past --max-wall-s, the steps are recorded as skipped, not run.
     args.max_wall_s = 0
     assert ab.AB(args, gpu, []).main() == 3
     report = json.loads(path.read_text())
     assert not report["servers"] and len(report["skipped"]) == 3
+
+
+# -- issue 36's real-size run (real_size.py): plan, flags, sequence ------------------
+
+
+@pytest.fixture(scope="module")
+def real(ab):
+    yield from import_script(GPU / "real_size.py")
+
+
+def test_real_size_dry_run_plan(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "real_size.py"), "--dry-run", "--out",
+         str(tmp_path), "--model-cache", str(tmp_path / "models")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "real_size_plan.json").read_text())
+    assert plan["imported_torch_or_vllm"] == []
+    # The folder a GPU machine without network serves: config, no weights.
+    model = plan["model"]
+    assert {"config.json", "tokenizer.json", "kvmem-shape.json"} <= set(
+        model["written"]
+    )
+    assert not any(n.endswith(".safetensors") for n in model["written"])
+    config = json.loads((Path(model["folder"]) / "config.json").read_text())
+    assert config["num_hidden_layers"] == 32 and config["num_key_value_heads"] == 8
+    assert model["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # 128 KiB, bf16
+    assert model["block_bytes"] == 2 << 20
+    cmds = {arm: info["server"] for arm, info in plan["arms"].items()}
+    assert set(cmds) == {"none", "noop", "tier", "simple_lazy", "offloading", "blhnc"}
+    for cmd in cmds.values():
+        assert _flag(cmd, "--load-format") == "dummy"
+        assert _flag(cmd, "--dtype") == "bfloat16"
+        assert _flag(cmd, "--attention-backend") == "FLASH_ATTN"
+        assert "--enforce-eager" not in cmd  # decode as full CUDA graphs
+        cc = json.loads(_flag(cmd, "--compilation-config"))
+        assert cc["cudagraph_mode"] == "FULL_DECODE_ONLY" and cc["mode"] == 0
+        assert "--enable-logging-iteration-details" in cmd
+    for flag in ("--kv-cache-memory-bytes", "--max-model-len", "--block-size",
+                 "--max-num-batched-tokens"):  # fmt: skip
+        assert len({_flag(c, flag) for c in cmds.values()}) == 1, flag
+    host = plan["common"]["host_bytes"]
+    assert int(_flag(cmds["tier"], "--kv-host-cache-bytes")) == host
+    kv = json.loads(_flag(cmds["simple_lazy"], "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": host,
+        "lazy_offload": True,
+    }
+    assert float(_flag(cmds["offloading"], "--kv-offloading-size")) * (1 << 30) == host
+    assert plan["arms"]["blhnc"]["env"] == {"VLLM_KV_CACHE_LAYOUT": "BLHNC"}
+    assert plan["common"]["server_env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert plan["common"]["device_kv_tokens"] >= plan["common"]["max_model_len"]
+    assert plan["workload"]["ttft"]["lengths"] == [4096, 16384, 32768]
+    assert plan["workload"]["runs"]["levels"] == {"unique": 0.0, "eighty": 0.8}
+    # Most important first: every TTFT of the three connectors before any
+    # other step; the tier's 32k TTFT in the first phase.
+    steps = [a["step"] for a in plan["schedule"] if a["kind"] == "item"]
+    first_other = next(i for i, n in enumerate(steps) if not n.startswith("ttft"))
+    assert {n.split()[-1] for n in steps[:first_other]} == {
+        "tier", "simple_lazy", "offloading",
+    }  # fmt: skip
+    assert len(steps[:first_other]) == 9
+    assert steps.index("profile unique #0 noop") < steps.index("layout unique #0 blhnc")
+    # At most three servers at once; the first phase's start together.
+    live: set[str] = set()
+    for a in plan["schedule"]:
+        if a["kind"] == "start":
+            live |= set(a["arms"])
+        elif a["kind"] == "stop":
+            live -= set(a["arms"])
+        assert len(live) <= plan["max_live"] == 3
+    assert plan["schedule"][0] == {
+        "kind": "start", "arms": ["tier", "simple_lazy", "offloading"],
+        "estimate_s": 95.0,
+    }  # fmt: skip
+    # The estimate (measured base costs, assumed 8B parts) fits --max-wall-s.
+    assert plan["estimate_fits_max_wall"] and plan["estimate_s"] <= 480
+    assert plan["output"].startswith("$OUT/real_size_<gpu>.json")
+
+
+def test_real_size_servers_as_vllm_reads_them(real, tmp_path):
+    """vLLM 0.32 parses every arm's server flags (the tier's flag is the
+    plugin's, checked in the plan test)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = real.parse_args(["--model-cache", str(tmp_path)])
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for arm in ("none", "noop", "simple_lazy", "offloading", "blhnc"):
+        engine = EngineArgs.from_cli_args(parser.parse_args(real.server_cmd(arm, args)))
+        assert str(getattr(engine.attention_backend, "name", engine.attention_backend))
+        assert "FLASH_ATTN" in str(engine.attention_backend)
+        assert engine.load_format == "dummy" and not engine.enforce_eager
+        assert engine.kv_cache_memory_bytes == 36864 * 128 * 1024
+        assert engine.compilation_config.cudagraph_capture_sizes == [
+            1, 2, 4, 8, 16, 24, 32,
+        ]  # fmt: skip
+        assert engine.enable_logging_iteration_details
+    eager = real.parse_args(["--model-cache", str(tmp_path), "--eager"])
+    assert "--enforce-eager" in real.server_cmd("none", eager)
+    with pytest.raises(SystemExit):
+        real.parse_args(["--ttft-lens", "65536"])  # beyond --max-model-len
+
+
+def test_real_size_main_with_stand_ins(real, tmp_path, monkeypatch):
+    """The whole sequence with stand-ins for the servers and the client: the
+    GPU-named, GPU-labelled file, each step's records, the summaries, the
+    flashinfer switch in every server, skipping past --max-wall-s."""
+
+    def client(argv, log, timeout):
+        n = int(argv[argv.index("--num-prompts") + 1])
+        plen = int(argv[argv.index("--prefix-repetition-prefix-len") + 1])
+        return {
+            "ttfts": [plen / 1e6] * n, "generated_texts": ["t"] * n,
+            "input_lens": [plen + 32] * n, "completed": n, "failed": 0,
+            "errors": [], "request_throughput": 2.0, "output_throughput": 99.0,
+            "median_itl_ms": 8.0, "p99_itl_ms": 9.0, "median_ttft_ms": 30.0,
+            "p99_ttft_ms": 60.0, "median_tpot_ms": 8.0, "duration": 3.0,
+        }  # fmt: skip
+
+    monkeypatch.setattr(real.ab, "ABServer", _FakeServer)
+    monkeypatch.setattr(real.sb, "warm_up", lambda *a: None)
+    monkeypatch.setattr(real.sb, "run_client", client)
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    args = real.parse_args(
+        ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+         "--model-cache", str(tmp_path / "models")]
+    )  # fmt: skip
+    args.out.mkdir()
+    _FakeServer.made.clear()
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "memory": "81559 MiB", "driver": "x"}
+    assert real.RealSize(args, gpu, []).main() == 0
+    (path,) = (tmp_path / "out").iterdir()
+    assert path.name == "real_size_h100.json"
+    report = json.loads(path.read_text())
+    assert report["platform"] == "GPU" and "NVIDIA H100" in report["label"]
+    assert {s.config for s in _FakeServer.made} == set(real.ARMS)
+    assert all(s.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" for s in _FakeServer.made)
+    assert len(report["ttft"]) == 9 + 3 and not report["skipped"]
+    ttft = report["summary"]["ttft"]
+    assert ttft["tier"]["32768"]["repeat_host_hit_tokens"] == [384.0]
+    assert ttft["tier"]["4096"]["repeat_over_none_recompute"] == pytest.approx(1.0)
+    profile = report["summary"]["profile"]
+    assert set(profile) == set(real.ARMS)
+    assert profile["noop"]["decode_step_host_ms_p50"] == 2.5  # vLLM's step lines
+    assert profile["tier"]["itl_p50_over_noop"] == 1.0
+    cells = report["summary"]["throughput"]
+    assert set(cells) == {"unique@c16", "eighty@c16"}
+    assert set(cells["eighty@c16"]) - {"none_vs_none_repeat0"} == {
+        "none", "tier", "simple_lazy",
+    }  # fmt: skip
+    assert all("texts" not in r for r in report["runs"])
+    # Past --max-wall-s nothing starts; every start and step is recorded.
+    args.max_wall_s = 0
+    assert real.RealSize(args, gpu, []).main() == 3
+    report = json.loads(path.read_text())
+    assert not report["servers"] and not report["runs"]
+    assert len(report["skipped"]) == len(real.schedule(args)) - sum(
+        a.kind == "stop" for a in real.schedule(args)
+    )
+
+
+def test_stage2_dry_run_plans_the_real_size_run(tmp_path):
+    proc = _run(
+        "stage2.sh", tmp_path, "--dry-run", "--items", "h",
+        "--real-args", "--max-wall-s 400",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "stage2_plan.json").read_text())
+    h = plan["h_plan"]
+    assert h["argv"] == ["--max-wall-s", "400"] and h["max_wall_s"] == 400
+    assert not h["estimate_fits_max_wall"]  # what a short cap will skip
+    assert plan["estimate_s"]["h"] == h["estimate_s"]
+    assert "real_size" in plan["items"]["h"]

@@ -1,10 +1,15 @@
 """Issue 30 on the GPU machine: our host KV tier against vLLM's CPU offloading.
 
-UNVERIFIED: written without a GPU; no line of it has run on one, and vLLM's
-two offloading connectors run on CUDA only. Stage 2's item g runs it
-(``bash scripts/gpu/stage2.sh --items g``: vLLM 0.32 installed, vLLM and the
-plugin on ``PYTHONPATH``); ``--dry-run`` prints and writes the plan anywhere,
-importing neither torch nor vLLM and starting nothing.
+Ran once on an NVIDIA H200 on 2026-11-26 (arms none, tier and simple_lazy,
+one repeat: ``benchmarks/results/ab_offload_h200.json``); the ``offloading``
+and ``noop`` arms have not run on a GPU. vLLM's two offloading connectors
+run on CUDA only. Stage 2's item g runs it (``bash scripts/gpu/stage2.sh
+--items g``: vLLM 0.32 installed, vLLM and the plugin on ``PYTHONPATH``);
+on any CUDA machine with vLLM 0.32/0.33 and vllm-kvmem installed it runs as
+it is. ``--dry-run`` prints and writes the plan anywhere, importing neither
+torch nor vLLM and starting nothing. Every server gets
+``gpu_common.SERVER_ENV`` (``VLLM_USE_FLASHINFER_SAMPLER=0``: without
+flashinfer installed, vLLM 0.32's sampler fails the engine's start).
 
 Arms, one vLLM OpenAI server each, all started in the same call:
 ``benchmarks/serving_bench.py``'s server (its 8-layer float32 random-weight
@@ -46,7 +51,8 @@ an untimed warm-up per server, ``/metrics`` deltas):
    each used by 6 of 96 prompts, 32-token suffixes, 64 tokens out) at each of
    ``--concurrencies`` (default 4: the device holds about 4 requests; 8:
    oversubscribed, requests queue and are preempted), ``--repeats`` times,
-   arms interleaved per repeat.
+   arms interleaved per repeat (default 1 repeat: with 2 the plan did not fit
+   the H200 session's 320 s; the estimate uses the costs measured there).
 
 Figures: greedy identity of every arm against ``none`` (texts per prompt,
 same prompts in the same order; ``none`` against its own repeat 0 as the
@@ -57,7 +63,8 @@ recompute, request and output-token throughput with TTFT and ITL
 percentiles, each arm over ``none`` paired per repeat.
 
 Everything is written to ``$OUT/ab_offload_<gpu>.json`` (``_h100`` on an
-H100, named from ``nvidia-smi``), labelled GPU with the device, rewritten
+H100, ``_h200`` on an H200: named from ``nvidia-smi``), labelled GPU with the
+device, rewritten
 after every step, so a call cut off at its limit keeps what finished; steps
 that would start after ``--max-wall-s`` are skipped and recorded as such.
 Exit 0 when every step ran, 1 when a step failed or an arm did not start, 3
@@ -76,10 +83,8 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,8 +92,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving_bench as sb  # noqa: E402  (no vLLM or torch at import)
+from gpu_common import (  # noqa: E402
+    MEASURED_S,
+    SERVER_ENV,
+    device_suffix,
+    gpu_info,
+    gpu_label,
+)
 
 ARMS = ("none", "noop", "tier", "simple_lazy", "offloading")
 DEFAULT_ARMS = ("none", "tier", "simple_lazy")
@@ -118,9 +131,19 @@ LOG_FACTS = {
     ),
     "simple_mode": re.compile(r"SimpleCPUOffloadConnector: role=\w+, .*mode=(\w+)"),
     "attention_backend": re.compile(r"Using (\w+) (?:attention )?backend[ .]"),
+    "kv_cache_layout": re.compile(r"Using (\w+) KV cache layout"),
+    "model_runner": re.compile(r"Using (V\d) Model Runner"),
 }
-#: Assumed costs for the plan's estimate (replace with what a run shows).
-ASSUMED_S = {"server_start_and_warm_up": 45, "client_call": 3, "throughput_run": 12}
+#: The plan's costs, measured on the H200 run of 2026-11-26 (tiny model):
+#: a server's start and warm-up, one probe (three client calls), one
+#: throughput run (96 prompts, c4 or c8), and the rest (stopping the
+#: servers, the report). Three arms, one repeat: 336 s estimated, 332 s run.
+MEASURED_COST_S = {
+    "server_start_and_warm_up": MEASURED_S["server_start_eager"],
+    "probe": MEASURED_S["ab_probe"],
+    "throughput_run": MEASURED_S["ab_throughput_run"],
+    "fixed": MEASURED_S["ab_fixed"],
+}
 
 
 # -- the plan (no vLLM, no torch) --------------------------------------------------
@@ -223,12 +246,14 @@ def evict_prompts(args: argparse.Namespace) -> int:
 
 
 def estimate_s(args: argparse.Namespace) -> int:
+    """Device seconds of the whole plan, from the costs measured on the H200."""
     n = len(args.arm_list)
     runs = n * len(args.level_list) * len(args.concurrency_list) * args.repeats
-    return (
-        n * ASSUMED_S["server_start_and_warm_up"]
-        + n * args.probes * 3 * ASSUMED_S["client_call"]
-        + runs * ASSUMED_S["throughput_run"]
+    return round(
+        n * MEASURED_COST_S["server_start_and_warm_up"]
+        + n * args.probes * MEASURED_COST_S["probe"]
+        + runs * MEASURED_COST_S["throughput_run"]
+        + MEASURED_COST_S["fixed"]
     )
 
 
@@ -247,8 +272,11 @@ def build_plan(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     return {
         "issue": 30,
         "script": "scripts/gpu/ab_offload.py",
-        "status": "UNVERIFIED: prepared on CPU, never run on a GPU",
+        "status": "ran on an NVIDIA H200 on 2026-11-26 with arms none, tier and "
+        "simple_lazy, one repeat; the offloading and noop arms have not run on "
+        "a GPU",
         "arms": arms,
+        "server_env": SERVER_ENV,
         "equal_in_every_arm": {
             "model": f"{model} (serving_bench: 8 layers, hidden 256, 2 KV heads of "
             "64, float32, random weights)",
@@ -302,22 +330,25 @@ def build_plan(args: argparse.Namespace, model: Path) -> dict[str, Any]:
             "noop arm (--arms none,noop,...) is vLLM's connector plumbing alone, "
             "so its ITL against none is what any connector costs",
         ],
-        "output": "$OUT/ab_offload_<gpu>.json (ab_offload_h100.json on an H100), "
-        "labelled GPU; logs in --work",
+        "output": "$OUT/ab_offload_<gpu>.json, <gpu> from nvidia-smi (h100 on an "
+        "H100, h200 on an H200, else the name as a slug), labelled GPU with the "
+        "device; logs in --work",
+        "verified_on_gpu": [
+            "H200, 2026-11-26: three servers side by side at "
+            "--gpu-memory-utilization 0.15; float32 runs TRITON_ATTN on the V2 "
+            "model runner; SimpleCPUOffloadConnector's lazy mode loads host hits",
+        ],
         "unverified_assumptions": [
-            "SimpleCPUOffloadConnector's copies call cuMemcpyBatchAsync through "
-            "cuda.bindings (the machine lists cuda-bindings, version unknown; "
-            "the driver, 580, is new enough)",
             "OffloadingConnector's host buffer is a shared mmap region "
             "(SharedOffloadRegion; /dev/shm's size on the machine is unknown)",
-            "float32 on a GPU picks an attention backend other than FLASH_ATTN "
-            "(recorded per server as attention_backend)",
-            "four servers side by side on one GPU at --gpu-memory-utilization "
-            f"{args.gpu_memory_utilization} each",
+            "the noop arm's connector (tests.contiguous_example) loads in a GPU "
+            "server from PYTHONPATH",
+            f"{len(args.arm_list)} servers side by side on one GPU at "
+            f"--gpu-memory-utilization {args.gpu_memory_utilization} each",
         ],
         "max_wall_s": args.max_wall_s,
         "estimate_s": estimate_s(args),
-        "estimate_assumes_s": ASSUMED_S,
+        "estimate_from_measured_s": MEASURED_COST_S,
         "steps": len(args.arm_list) * (1 + args.probes)
         + len(args.arm_list)
         * len(args.level_list)
@@ -455,15 +486,6 @@ def summarize_runs(
     return out
 
 
-def device_suffix(gpu_name: str) -> str:
-    """``h100`` for any H100, ``h200`` for an H200, else a slug of the name."""
-    for model in ("H100", "H200", "A100", "B200", "L40S"):
-        if model.lower() in gpu_name.lower():
-            return model.lower()
-    slug = re.sub(r"[^a-z0-9]+", "_", gpu_name.lower()).strip("_")
-    return slug or "gpu"
-
-
 def log_facts(text: str) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     for key, pattern in LOG_FACTS.items():
@@ -473,27 +495,6 @@ def log_facts(text: str) -> dict[str, Any]:
 
 
 # -- the run (GPU) ----------------------------------------------------------------
-
-
-def gpu_info() -> dict[str, str] | None:
-    """The GPU from nvidia-smi (no CUDA context in this process); None if none."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    proc = subprocess.run(
-        [
-            "nvidia-smi",
-            "--query-gpu=name,memory.total,driver_version",
-            "--format=csv,noheader",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    line = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
-    if proc.returncode != 0 or not line:
-        return None
-    name, memory, driver = (x.strip() for x in (line.split(",") + ["", ""])[:3])
-    return {"name": name, "memory": memory, "driver": driver}
 
 
 class ABServer(sb.Server):
@@ -523,8 +524,7 @@ class AB:
         self.report: dict[str, Any] = {
             "benchmark": "ab_offload (issue 30)",
             "platform": "GPU",
-            "label": f"GPU: {gpu['name']}, measured "
-            + time.strftime("%Y-%m-%d", time.gmtime()),
+            "label": gpu_label(gpu),
             "device": gpu,
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": shlex.join(["python", "scripts/gpu/ab_offload.py", *argv]),
@@ -572,6 +572,8 @@ class AB:
     def start(self, arm: str) -> None:
         cfg = arm_config(arm, self.args.host_bytes)
         env = sb.server_env(1)
+        for key, value in SERVER_ENV.items():  # flashinfer is not carried
+            env.setdefault(key, value)
         for key in cfg["unset_env"]:
             env.pop(key, None)
         env.update(cfg["env"])
@@ -753,7 +755,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--levels", default="high", help=f"of {','.join(sb.LEVELS)}")
     p.add_argument("--concurrencies", default="4,8")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--probes", type=int, default=3)
     p.add_argument("--probe-output-len", type=int, default=1)
     p.add_argument("--evict-prompts", type=int, default=0, help="0: from the sizes")

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Stage 1 of issue 17 on the GPU machine, in ONE device call, with no wheels
-# carried: the copy engine's CUDA tests (plain PyTorch, no vLLM), the transfer
-# benchmark on CUDA, the torch 2.13 symbol check against the machine's CUDA
-# libraries, and the machine's real package list. Everything it prints also
-# goes to $OUT/stage1.log; at most 8 files come back from $OUT:
+# Stage 1 of issue 17 on the GPU machine, in ONE device call: the copy
+# engine's CUDA tests (plain PyTorch, no vLLM), the transfer benchmark on
+# CUDA, the torch 2.13 symbol check against the machine's CUDA libraries, and
+# the machine's real package list. Ran on an NVIDIA H200 on 2026-11-26.
+# A wheel piece carried along (.gpu-wheels*/<plan>/pNNN) is first copied out
+# of the checkout into /tmp/kvmem-pieces (install_pieces.py take): the next
+# call's carried path replaces the whole .gpu-wheels folder here.
+# Everything it prints also goes to $OUT/stage1.log; at most 8 files come
+# back from $OUT (GPU = h100, h200, ... from nvidia-smi):
 #
 #   stage1.log          all output
 #   stage1_pytest.xml   JUnit report of the test run
-#   transfer_h100.json  benchmarks/transfer_bench.py (commit under
-#   transfer_h100.png     benchmarks/results/)
+#   transfer_GPU.json   benchmarks/transfer_bench.py, labelled GPU with the
+#   transfer_GPU.png      device (commit under benchmarks/results/)
 #   abi_machine.json    abi_check.py machine: torch 2.13's needs vs these libs
 #   pip_freeze.txt      the machine's packages (fetch_wheels.py --machine-packages)
 #   machine.txt         GPU, driver, glibc, torch/CUDA/cuDNN/NCCL/Triton versions
@@ -38,6 +42,25 @@ step() {  # step NAME TIMEOUT_S CMD...: run, record the exit status, go on
 }
 
 echo "stage 1 $( [ "$DRY" = 1 ] && echo DRY RUN ) at $(date -u +%FT%TZ) in $PWD, python $PY"
+# Outputs are named after the GPU that runs them: h100, h200, ... ("cpu": none).
+GPU=$("$PY" scripts/gpu/gpu_common.py suffix)
+echo "GPU: $GPU"
+
+take_pieces() {  # copy any carried piece folder out of the checkout
+    local d found=0
+    for d in .gpu-wheels*/*/; do
+        ls -d "$d"p[0-9]* >/dev/null 2>&1 || continue
+        found=1
+        if [ "$DRY" = 1 ]; then
+            echo "would run: install_pieces.py take ${d%/}"
+        else
+            "$PY" scripts/gpu/transport/install_pieces.py take "${d%/}"
+        fi
+    done
+    [ "$found" = 1 ] || echo "no piece carried in this call"
+    return 0  # pieces still missing are the next calls', not a failure
+}
+step pieces 60 take_pieces
 
 machine_info() {
     {
@@ -88,15 +111,19 @@ if [ "$DRY" = 1 ]; then
     step pytest 300 "${DRY_PYTEST[@]}" --collect-only
     step transfer_bench 300 "$PY" benchmarks/transfer_bench.py --device cpu --quick \
         --iters 1 --pageable --overlap --shapes 8b --out "$OUT/transfer_cpu_dryrun.json"
+    echo "would write: $OUT/transfer_$GPU.json (+ .png), labelled by gpu_common.py label"
 else
     # Limits that keep the call within 7 minutes of a 15-minute session
     # (scripts/gpu/README.md); a step over its limit is recorded and skipped.
     step pytest 120 "${PYTEST[@]}" -rs --durations=10
     step transfer_bench 150 "$PY" benchmarks/transfer_bench.py --device cuda \
-        --iters 5 --warmup 1 --pageable --overlap --out "$OUT/transfer_h100.json"
+        --iters 5 --warmup 1 --pageable --overlap --out "$OUT/transfer_$GPU.json"
+    # platform GPU, a label with the device and the date (data unchanged)
+    [ -f "$OUT/transfer_$GPU.json" ] && "$PY" scripts/gpu/gpu_common.py label \
+        "$OUT/transfer_$GPU.json" --command "bash scripts/gpu/stage1.sh"
 fi
-step abi_machine 60 "$PY" scripts/gpu/abi_check.py machine \
-    --needs scripts/gpu/abi_needs.json --out "$OUT/abi_machine.json"
+step abi_machine 60 "$PY" scripts/gpu/transport/abi_check.py machine \
+    --needs scripts/gpu/transport/abi_needs.json --out "$OUT/abi_machine.json"
 
 echo
 echo "=== summary"

@@ -1,8 +1,11 @@
 """Stage 2 of issue 17: vLLM 0.32 with the plugin on the GPU machine.
 
-UNVERIFIED: written without a GPU; no line of it has run on one. It runs
-after ``install_pieces.py install`` put vLLM and its wheels in a target
-folder (``stage2.sh`` sets ``PYTHONPATH``). Items (the issue's a-e), each
+Items a and g ran on an NVIDIA H200 on 2026-11-26 (after their engines were
+given ``VLLM_USE_FLASHINFER_SAMPLER=0``); b-f and h have not run on a GPU.
+It runs after ``install_pieces.py install`` put vLLM and its wheels in a
+target folder (``stage2.sh`` sets ``PYTHONPATH``). Every engine gets
+``gpu_common.SERVER_ENV`` (vLLM 0.32's sampler imports flashinfer at start
+otherwise, which the recipe does not carry). Items (the issue's a-e), each
 engine in a subprocess of its own (this file with ``--child``), greedy, on a
 tiny random model that ``kvmem tiny-model`` writes:
 
@@ -13,13 +16,16 @@ b. host tier on and off (small device KV cache, so the first prompt is
    evicted): greedy tokens equal, cached tokens on the repeat, time to first
    token of the repeat (host hit against recompute);
 c. the contiguous opt-in (``tests.contiguous_example``'s connector) on
-   FLASH_ATTN against the default layout: tokens equal, decode throughput;
+   FLASH_ATTN against the default layout: tokens equal, decode throughput
+   (bfloat16, ``attention_backend="FLASH_ATTN"``: vLLM 0.32 has no
+   ``VLLM_ATTENTION_BACKEND`` variable, and float32 gets TRITON_ATTN);
 d. ``kv_cache_tokens`` far beyond the device (a clear refusal naming a
    figure, not an out-of-memory crash), then that figure (starts), then the
    same with CUDA graphs on; an explicit pipeline-proportional budget near
    the device limit;
 e. FLASH_ATTN decode time per step with ``VLLM_KV_CACHE_LAYOUT`` LBNHC (its
-   default), BLNHC and BLHNC, and greedy identity across them;
+   default), BLNHC and BLHNC, and greedy identity across them (bfloat16,
+   ``attention_backend="FLASH_ATTN"``);
 f. Ray (issue 19): the same engine, TP=1 PP=1, on the multiprocessing
    executor and on ``--distributed-executor-backend ray`` (vLLM's default Ray
    executor, RayExecutorV2), with ``kv_cache_tokens`` (the engine core
@@ -35,8 +41,17 @@ g. issue 30's A/B: our host tier against vLLM's ``SimpleCPUOffloadConnector``
    when ``--ab-args`` adds the arm), ``benchmarks/serving_bench.py``'s
    prefix-reuse workload through vLLM's OpenAI server, same device KV and
    host bytes, in one call: ``scripts/gpu/ab_offload.py`` in a child process.
-   Its figures go to ``$OUT/ab_offload_h100.json`` (named after the GPU),
-   not to ``stage2_results.json``, which records only how the child ended.
+   Its figures go to ``$OUT/ab_offload_<gpu>.json`` (``_h200`` on an H200:
+   named after the GPU), not to ``stage2_results.json``, which records only
+   how the child ended.
+h. issue 36's real-size run: the Llama-3.1-8B shape (``load_format="dummy"``,
+   bfloat16, FLASH_ATTN), TTFT of a host hit against recompute at 4k-32k
+   tokens per connector, the per-step profile, throughput at 0% and 80%
+   reuse, BLHNC against the default layout: ``scripts/gpu/real_size.py`` in
+   a child process (``--real-args``), figures in ``$OUT/real_size_<gpu>.json``.
+
+The dry run's plan gives each item's device seconds from the costs measured
+on the H200 (``gpu_common.MEASURED_S``: an eager engine start 35 s).
 
 Each item's results are written to ``$OUT/stage2_results.json`` as soon as
 it ends (a call cut off at its limit keeps what finished); each engine's
@@ -60,8 +75,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import MEASURED_S, SERVER_ENV  # noqa: E402
+
 REPORT = "KVMEM_STAGE2 "
-ITEMS = "abcdefg"
+ITEMS = "abcdefgh"
+#: Engines per item (d: up to four, one of them capturing CUDA graphs; f: two
+#: and Ray's own start) and the seconds of work beside the starts: the plan's
+#: estimate, from an eager engine start measured on the H200 (item a: two
+#: engines in 70 s). g and h are their scripts' own estimates.
+ITEM_ENGINES = {"a": 2, "b": 2, "c": 2, "d": 4, "e": 3, "f": 2}
+ITEM_EXTRA_S = {"a": 0, "b": 10, "c": 10, "d": 60, "e": 15, "f": 60}
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
 
 
@@ -157,6 +181,7 @@ class Runner:
         timeout: float,
         out: Path | None = None,
         ab_args: str = "",
+        real_args: str = "",
     ) -> None:
         # Kept under the repository's ignored .gpu-work/, not in $OUT: $OUT is
         # emptied before every call and brings back 8 files at most, while
@@ -166,6 +191,7 @@ class Runner:
         self.timeout = timeout
         self.out = out or work
         self.ab_args = ab_args
+        self.real_args = real_args
         self.logs = work / "stage2_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results_path = work / "stage2_results.json"
@@ -178,6 +204,8 @@ class Runner:
     def engine(self, name: str, spec: dict, **env: str) -> dict:
         """One engine; its report, or its exit code and the end of its log."""
         full_env = dict(os.environ)
+        for key, value in SERVER_ENV.items():  # flashinfer is not carried
+            full_env.setdefault(key, value)
         full_env.update(VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONUNBUFFERED="1")
         # Only read by vLLM's CPU worker (a CPU rehearsal of this script).
         full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -356,19 +384,22 @@ def _throughput(run: dict) -> float | None:
     return p["output_tokens"] / sum(p["seconds"])
 
 
+#: FLASH_ATTN, asked for as vLLM 0.32 reads it (an engine argument: it has no
+#: VLLM_ATTENTION_BACKEND variable), in bfloat16 (FLASH_ATTN has no float32).
+FLASH = {"attention_backend": "FLASH_ATTN", "dtype": "bfloat16"}
+
+
 def item_c(r: Runner) -> dict:
     """Contiguous opt-in on FLASH_ATTN against the default: tokens, decode."""
-    env = {"VLLM_ATTENTION_BACKEND": "FLASH_ATTN"}
     default = r.engine(
-        "c_default", {"llm": base_llm(r.model), "phases": [_decode_phase()]}, **env
+        "c_default", {"llm": base_llm(r.model, **FLASH), "phases": [_decode_phase()]}
     )
     opted = r.engine(
         "c_contiguous",
         {
-            "llm": base_llm(r.model, kv_transfer_config=CONNECTOR),
+            "llm": base_llm(r.model, kv_transfer_config=CONNECTOR, **FLASH),
             "phases": [_decode_phase()],
         },
-        **env,
     )
     layouts = [
         [x.get("layout") for x in run["report"]["ranks"]] if run["report"] else None
@@ -451,8 +482,7 @@ def item_e(r: Runner) -> dict:
     runs = {
         lay: r.engine(
             f"e_{lay}",
-            {"llm": base_llm(r.model), "phases": [_decode_phase()]},
-            VLLM_ATTENTION_BACKEND="FLASH_ATTN",
+            {"llm": base_llm(r.model, **FLASH), "phases": [_decode_phase()]},
             VLLM_KV_CACHE_LAYOUT=lay,
         )
         for lay in ("LBNHC", "BLNHC", "BLHNC")
@@ -558,26 +588,32 @@ def item_f(r: Runner) -> dict:
 
 
 AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
+REAL_SCRIPT = Path(__file__).resolve().parent / "real_size.py"
+
+
+def _script_module(path: Path) -> Any:
+    """A script of this folder as a module (it imports no vLLM or torch)."""
+    sys.path.insert(0, str(path.parent))
+    return __import__(path.stem)
 
 
 def _ab_module() -> Any:
-    """scripts/gpu/ab_offload.py as a module (it imports no vLLM or torch)."""
-    sys.path.insert(0, str(AB_SCRIPT.parent))
-    import ab_offload
-
-    return ab_offload
+    """scripts/gpu/ab_offload.py as a module."""
+    return _script_module(AB_SCRIPT)
 
 
-def item_g(r: Runner) -> dict:
-    """Issue 30: host tier against SimpleCPUOffloadConnector (lazy_offload)
-    and, when asked, OffloadingConnector; serving_bench's prefix-reuse
-    workload on vLLM's OpenAI server (scripts/gpu/ab_offload.py)."""
-    argv = shlex.split(r.ab_args)
-    max_wall = _ab_module().parse_args(argv).max_wall_s
-    work = r.logs / "g_ab_offload"  # server and client logs: into the tarball
+def _child_script(r: Runner, item: str, script: Path, args: str, cache: str) -> dict:
+    """Run one of this folder's GPU scripts in a child process with its own
+    ``--max-wall-s`` (then 120 s to stop its servers); its figures go to
+    ``$OUT/<script>_<gpu>.json``, its logs into the tarball (``<item>_<script>/``),
+    its model folders under ``.gpu-work/<cache>``."""
+    argv = shlex.split(args)
+    max_wall = _script_module(script).parse_args(argv).max_wall_s
+    name = f"{item}_{script.stem}"
+    work = r.logs / name  # server and client logs: into the tarball
     cmd = [
-        sys.executable, str(AB_SCRIPT), "--out", str(r.out), "--work", str(work),
-        "--model-cache", str(r.work / "serving-model"),
+        sys.executable, str(script), "--out", str(r.out), "--work", str(work),
+        "--model-cache", str(r.work / cache),
     ]  # fmt: skip
     t0 = time.perf_counter()
     try:
@@ -587,25 +623,51 @@ def item_g(r: Runner) -> dict:
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             capture_output=True,
             text=True,
-            timeout=max_wall + 120,  # its own cap, then stopping its servers
+            timeout=max_wall + 120,
         )
         code, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or ""
         code = "timeout"
         text = out.decode(errors="replace") if isinstance(out, bytes) else out
-    (r.logs / "g_ab_offload.log").write_text(text)
-    print(f"  ab_offload: exit {code} in {time.perf_counter() - t0:.0f} s")
-    files = sorted(p.name for p in r.out.glob("ab_offload_*.json"))
+    (r.logs / f"{name}.log").write_text(text)
+    print(f"  {script.stem}: exit {code} in {time.perf_counter() - t0:.0f} s")
+    files = sorted(p.name for p in r.out.glob(f"{script.stem}_*.json"))
     return {
         "exit": code,
         "argv": argv,
-        "results_files": files,  # the figures: GPU-labelled, _h100 on an H100
+        "results_files": files,  # GPU-labelled, named after the GPU
         "last_lines": text.splitlines()[-3:],
         "errors": [ln for ln in text.splitlines() if re.search(r"Error|error:", ln)][
             -8:
         ],
     }
+
+
+def item_g(r: Runner) -> dict:
+    """Issue 30: host tier against SimpleCPUOffloadConnector (lazy_offload)
+    and, when asked, OffloadingConnector; serving_bench's prefix-reuse
+    workload on vLLM's OpenAI server (scripts/gpu/ab_offload.py)."""
+    return _child_script(r, "g", AB_SCRIPT, r.ab_args, "serving-model")
+
+
+def item_h(r: Runner) -> dict:
+    """Issue 36: the real-size run (Llama-3.1-8B shape, dummy weights):
+    TTFT of a host hit against recompute at 4k-32k tokens, the per-step
+    profile, throughput at 0% and 80% reuse, BLHNC against the default
+    (scripts/gpu/real_size.py)."""
+    return _child_script(r, "h", REAL_SCRIPT, r.real_args, "shape-models")
+
+
+def item_estimate_s(item: str, ab_args: str = "", real_args: str = "") -> float:
+    """Device seconds an item takes, from the costs measured on the H200."""
+    if item == "g":
+        ab = _ab_module()
+        return float(ab.estimate_s(ab.parse_args(shlex.split(ab_args))))
+    if item == "h":
+        rs = _script_module(REAL_SCRIPT)
+        return float(rs.build_plan(rs.parse_args(shlex.split(real_args)))["estimate_s"])
+    return ITEM_ENGINES[item] * MEASURED_S["engine_start_eager"] + ITEM_EXTRA_S[item]
 
 
 ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
@@ -616,6 +678,7 @@ ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "e": item_e,
     "f": item_f,
     "g": item_g,
+    "h": item_h,
 }
 
 
@@ -636,7 +699,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--items",
         default=ITEMS[:5],
-        help="which of a-g (default a-e; f needs Ray; g is issue 30's A/B)",
+        help="which of a-h (default a-e; f needs Ray; g is issue 30's A/B, h "
+        "issue 36's real-size run)",
     )
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "out/stage2"))
@@ -653,6 +717,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="item g: arguments for ab_offload.py, e.g. "
         "'--arms none,tier,simple_lazy,offloading'",
+    )
+    p.add_argument(
+        "--real-args",
+        default="",
+        help="item h: arguments for real_size.py, e.g. '--max-wall-s 480'",
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = p.parse_args(argv)
@@ -672,18 +741,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             "out": str(args.out),
             "work": str(args.work),
             "engine_timeout_s": args.engine_timeout,
+            "server_env": SERVER_ENV,
+            "estimate_s": {
+                i: item_estimate_s(i, args.ab_args, args.real_args) for i in args.items
+            },
+            "estimate_from": "gpu_common.MEASURED_S (NVIDIA H200, 2026-11-26): "
+            f"an eager engine start {MEASURED_S['engine_start_eager']:.0f} s; "
+            "items g and h: their scripts' own plans",
         }
+        plan["estimate_total_s"] = sum(plan["estimate_s"].values())
         if "g" in args.items:
             ab = _ab_module()
             ab_args = ab.parse_args(shlex.split(args.ab_args))
             ab_args.model_cache = args.work / "serving-model"
             plan["g_plan"] = ab.build_plan(ab_args, ab.model_path(ab_args))
             plan["g_plan"]["argv"] = shlex.split(args.ab_args)
+        if "h" in args.items:
+            rs = _script_module(REAL_SCRIPT)
+            rs_args = rs.parse_args(shlex.split(args.real_args))
+            plan["h_plan"] = rs.build_plan(rs_args)
+            plan["h_plan"]["argv"] = shlex.split(args.real_args)
         (args.out / "stage2_plan.json").write_text(json.dumps(plan, indent=1) + "\n")
         print("stage 2 dry run: items", args.items, "->", args.out / "stage2_plan.json")
         return 0
     model = make_model(args.work)
-    runner = Runner(args.work, model, args.engine_timeout, args.out, args.ab_args)
+    runner = Runner(
+        args.work, model, args.engine_timeout, args.out, args.ab_args, args.real_args
+    )
     for item in args.items:
         print(f"=== item {item}", flush=True)
         t0 = time.perf_counter()

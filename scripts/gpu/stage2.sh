@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
 # Stage 2 of issue 17 on the GPU machine: vLLM 0.32 with the plugin.
-# UNVERIFIED: written without a GPU; nothing here has run on one.
+# Items a and g ran on an NVIDIA H200 on 2026-11-26 (b-f and h have not run).
 #
 # Runs after every piece has arrived (scripts/gpu/README.md): installs the
-# wheels into .gpu-site (once; kept while the machine stays warm), makes the
-# plugin's entry point visible to vLLM, checks requirements, probes the
-# import, then runs items a-e of the issue (scripts/gpu/stage2.py), f (Ray,
-# issue 19) and g (issue 30's A/B, scripts/gpu/ab_offload.py) when asked.
-# Files in $OUT (8 at most):
+# wheels from the piece store (/tmp/kvmem-pieces, where every call that
+# carried a piece copied it: install_pieces.py take) into .gpu-site (once;
+# kept while the machine stays warm), makes the plugin's entry point visible
+# to vLLM, checks requirements, probes the import, then runs items a-e of the
+# issue (scripts/gpu/stage2.py), f (Ray, issue 19), g (issue 30's A/B,
+# scripts/gpu/ab_offload.py) and h (issue 36's real-size run,
+# scripts/gpu/real_size.py) when asked. Every engine and server here runs
+# with VLLM_USE_FLASHINFER_SAMPLER=0 (gpu_common.SERVER_ENV: vLLM 0.32's
+# sampler otherwise imports flashinfer, which is not carried, and every
+# engine failed at start on the H200). Files in $OUT (8 at most; GPU = h100,
+# h200, ... from nvidia-smi):
 #
 #   stage2.log            all output
 #   install_check.json    install_pieces.py check: unmet requirements
 #   stage2_probe.txt      versions, CUDA libraries actually loaded
-#   stage2_results.json   items a-f, how g ended (accumulates over calls)
-#   stage2_logs.tar.gz    each engine's output, g's server and client logs
-#   ab_offload_h100.json  item g's figures, GPU-labelled (named after the GPU)
+#   stage2_results.json   items a-f, how g and h ended (accumulates over calls)
+#   stage2_logs.tar.gz    each engine's output, g's and h's server and client logs
+#   ab_offload_GPU.json   item g's figures, GPU-labelled
+#   real_size_GPU.json    item h's figures, GPU-labelled
 #
 # Usage (repository root):
 #   bash scripts/gpu/stage2.sh [--vllm 0.32.0|0.33.0] [--plan torch211|core] [--items abcde]
 #   bash scripts/gpu/stage2.sh --items g [--ab-args '--arms none,tier,simple_lazy,offloading']
+#   bash scripts/gpu/stage2.sh --items h [--real-args '--max-wall-s 480']
 #   bash scripts/gpu/stage2.sh --dry-run     # anywhere: plan and checks only
 #
 # --vllm picks the release: its pieces come from .gpu-wheels (0.32.0) or
@@ -29,7 +37,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 
-DRY=0 PLAN=torch211 ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS=
+DRY=0 PLAN=torch211 ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS= REAL_ARGS=
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -37,13 +45,14 @@ while [ $# -gt 0 ]; do
         --plan) PLAN=$2; shift ;;
         --items) ITEMS=$2; shift ;;
         --ab-args) AB_ARGS=$2; shift ;;
+        --real-args) REAL_ARGS=$2; shift ;;
         *) echo "unknown argument $1"; exit 2 ;;
     esac
     shift
 done
 case $PLAN in
     torch211|core) ;;
-    *) echo "--plan $PLAN: torch211 or core (scripts/gpu/size_report.md)"; exit 2 ;;
+    *) echo "--plan $PLAN: torch211 or core (scripts/gpu/transport/size_report.md)"; exit 2 ;;
 esac
 case $VLLM in
     0.32.0) SUFFIX= ;;
@@ -52,26 +61,42 @@ case $VLLM in
 esac
 . scripts/gpu/out_and_python.sh
 SITE=$PWD/.gpu-site$SUFFIX
-PIECES=.gpu-wheels$SUFFIX/$PLAN
-if [ "$PLAN" = torch211 ] && [ ! -d "$PIECES" ]; then
+INSTALL=scripts/gpu/transport/install_pieces.py
+CARRIED=.gpu-wheels$SUFFIX/$PLAN
+store() {  # the store's folder for a carried plan folder (install_pieces.store_for)
+    "$PY" -c 'import sys; sys.path.insert(0, "scripts/gpu/transport")
+from install_pieces import store_for; print(store_for(sys.argv[1]))' "$1"
+}
+PIECES=$(store "$CARRIED")
+if [ "$PLAN" = torch211 ] && [ ! -d "$PIECES" ] && [ ! -d "$CARRIED" ]; then
     # vLLM on the machine's own torch 2.11 from the core plan's pieces: its
     # wheels come first in that stream, so they install from those arrived.
-    PIECES=.gpu-wheels$SUFFIX/core PARTIAL=--partial
+    CARRIED=.gpu-wheels$SUFFIX/core PARTIAL=--partial
+    PIECES=$(store "$CARRIED")
 fi
+# Why: vLLM 0.32's sampler imports flashinfer at engine start unless told not
+# to, and the recipe carries no flashinfer (gpu_common.SERVER_ENV). stage2.py,
+# ab_offload.py and real_size.py set it for their engines too.
+export VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 exec > >(tee -a "$OUT/stage2.log") 2>&1
 echo "stage 2 $( [ "$DRY" = 1 ] && echo DRY RUN ) vLLM $VLLM plan $PLAN items $ITEMS at $(date -u +%FT%TZ)"
+echo "GPU: $("$PY" scripts/gpu/gpu_common.py suffix); VLLM_USE_FLASHINFER_SAMPLER=$VLLM_USE_FLASHINFER_SAMPLER"
 
 if [ "$DRY" = 1 ]; then
-    "$PY" scripts/gpu/install_pieces.py --help >/dev/null && echo "install_pieces.py: ok"
-    "$PY" scripts/gpu/stage2.py --dry-run --items "$ITEMS" --ab-args "$AB_ARGS" --out "$OUT" || exit 1
+    "$PY" "$INSTALL" --help >/dev/null && echo "install_pieces.py: ok"
+    "$PY" scripts/gpu/stage2.py --dry-run --items "$ITEMS" --ab-args "$AB_ARGS" \
+        --real-args "$REAL_ARGS" --out "$OUT" || exit 1
+    echo "would run: install_pieces.py take $CARRIED (if carried in this call)"
     echo "would run: install_pieces.py install --root $PIECES --target $SITE $PARTIAL"
     echo "would run: install_pieces.py check --target $SITE"
-    echo "would run: stage2.py --items $ITEMS --ab-args \"$AB_ARGS\" --out \$OUT (PYTHONPATH=$SITE:$PWD)"
+    echo "would run: stage2.py --items $ITEMS --ab-args \"$AB_ARGS\" --real-args \"$REAL_ARGS\" --out \$OUT (PYTHONPATH=$SITE:$PWD)"
     exit 0
 fi
 
 if [ ! -f "$SITE/kvmem-installed.json" ]; then
-    "$PY" scripts/gpu/install_pieces.py install --root "$PIECES" --target "$SITE" $PARTIAL \
+    # A piece carried with this call too (the store keeps the earlier ones).
+    [ -d "$CARRIED" ] && "$PY" "$INSTALL" take "$CARRIED"
+    "$PY" "$INSTALL" install --root "$PIECES" --target "$SITE" $PARTIAL \
         || { echo "install failed"; exit 1; }
 fi
 if [ "$PLAN" = torch211 ]; then
@@ -79,11 +104,11 @@ if [ "$PLAN" = torch211 ]; then
     rm -rf "$SITE"/torch "$SITE"/torch-*.dist-info "$SITE"/torchvision* "$SITE"/nvidia*
 fi
 
-. scripts/gpu/plugin_dist_info.sh
+. scripts/gpu/transport/plugin_dist_info.sh
 write_plugin_dist_info "$SITE"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 
-"$PY" scripts/gpu/install_pieces.py check --target "$SITE" --out "$OUT/install_check.json"
+"$PY" "$INSTALL" check --target "$SITE" --out "$OUT/install_check.json"
 
 "$PY" - >"$OUT/stage2_probe.txt" 2>&1 <<'EOF'
 import importlib.metadata as md
@@ -112,7 +137,8 @@ cat "$OUT/stage2_probe.txt"
 grep -q "^vllm $VLLM " "$OUT/stage2_probe.txt" \
     || { echo "stage 2 asked for vLLM $VLLM; the probe above found another"; exit 1; }
 
-"$PY" scripts/gpu/stage2.py --items "$ITEMS" --ab-args "$AB_ARGS" --out "$OUT"
+"$PY" scripts/gpu/stage2.py --items "$ITEMS" --ab-args "$AB_ARGS" --real-args "$REAL_ARGS" \
+    --out "$OUT"
 RC=$?
 ls -la "$OUT"
 exit $RC

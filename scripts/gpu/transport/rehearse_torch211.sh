@@ -14,11 +14,11 @@
 # library does, so nothing can run a kernel.
 #
 # Usage (repository root, after fetch_wheels.py has cut .gpu-wheels/torch211):
-#   bash scripts/gpu/rehearse_torch211.sh [WORK]   # default /tmp/kvmem-torch211
+#   bash scripts/gpu/transport/rehearse_torch211.sh [WORK]   # default /tmp/kvmem-torch211
 # (PIECES=folder for pieces elsewhere; PYTHON312=interpreter.)
 # Exit 0 when both checks pass; the report is WORK/rehearsal.json.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 
 WORK=${1:-/tmp/kvmem-torch211}
 PIECES=${PIECES:-.gpu-wheels/torch211}
@@ -30,7 +30,7 @@ for cand in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
 done
 [ -n "$PY312" ] || { echo "no Python 3.12 found: set PYTHON312"; exit 2; }
 [ -f "$PIECES/manifest.json" ] || {
-    echo "no $PIECES/manifest.json: run scripts/gpu/fetch_wheels.py first"
+    echo "no $PIECES/manifest.json: run scripts/gpu/transport/fetch_wheels.py first"
     exit 2
 }
 mkdir -p "$WORK"
@@ -50,10 +50,10 @@ MACHINE=(torch==2.11.0 torchvision==0.26.0 transformers==5.17.0 numpy==2.5.2
 "$PY" -m pip install -q "${MACHINE[@]}"
 
 rm -rf "$SITE"
-"$PY" scripts/gpu/install_pieces.py install --root "$PIECES" --target "$SITE" --partial
-. scripts/gpu/plugin_dist_info.sh
+"$PY" scripts/gpu/transport/install_pieces.py install --root "$PIECES" --target "$SITE" --partial
+. scripts/gpu/transport/plugin_dist_info.sh
 write_plugin_dist_info "$SITE"
-"$PY" scripts/gpu/install_pieces.py check --target "$SITE" --out "$WORK/install_check.json" \
+"$PY" scripts/gpu/transport/install_pieces.py check --target "$SITE" --out "$WORK/install_check.json" \
     || true  # a finding (the machine's versions differ from the resolution's), not a stop
 
 # The driver stand-in: every cu* entry point the extensions import.
@@ -69,7 +69,7 @@ cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$STUB/libcuda.so.1" "$STUB/stub.c"
 echo "driver stand-in: $(wc -l <"$STUB/symbols.txt") entry points"
 
 set +e
-LD_LIBRARY_PATH=$STUB PYTHONPATH="$SITE:$PWD" "$PY" scripts/gpu/rehearse_torch211.py \
+LD_LIBRARY_PATH=$STUB PYTHONPATH="$SITE:$PWD" "$PY" scripts/gpu/transport/rehearse_torch211.py \
     >"$WORK/rehearsal.json"
 RC=$?
 set -e

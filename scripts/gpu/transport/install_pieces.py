@@ -1,15 +1,24 @@
-"""On the GPU machine: check the wheel pieces that have arrived, rebuild the
-wheels, install them into a target folder, and check what they require.
+"""On the GPU machine: take in the wheel pieces each call carries, rebuild
+the wheels, install them into a target folder, and check what they require.
 
-Pieces arrive one folder per device call (``.gpu-wheels/<plan>/p001`` ...),
-each carried by its own call; folders carried earlier stay on the warm
-machine. So:
+Pieces arrive one folder per device call (``.gpu-wheels/<plan>/p001`` ...).
+A carried path replaces its whole top-level folder on the machine (found on
+the H200 run of 2026-11-26: carrying ``.gpu-wheels/torch211/p002`` deleted
+``p001``), so the call that carries a piece must copy it out of the
+checkout at once, to a store outside it that stays while the machine is
+warm (:data:`STORE`, ``/tmp/kvmem-pieces``; ``KVMEM_PIECE_STORE`` moves
+it). So:
 
-``status``  which pieces are there (sizes; ``--hash`` for sha256 too) and
-            which are still missing: cheap, for the calls that carry pieces;
+``take``    copy the carried piece folders of a plan folder (e.g.
+            ``.gpu-wheels/torch211``) into the store (:func:`store_for`:
+            ``/tmp/kvmem-pieces/gpu-wheels/torch211``), then report the
+            store like ``status``: the command of every call that carries
+            a piece;
+``status``  which pieces are in a folder (sizes; ``--hash`` for sha256 too)
+            and which are still missing: cheap;
 ``install`` every piece checked (sha256), the wheels rebuilt and checked
             (sha256), then ``pip install --no-index --no-deps --target``;
-            prints what it installed;
+            prints what it installed; ``--root`` is the store's folder;
 ``check``   every requirement of the packages in the target folder against
             what this interpreter sees with the target first on the path
             (the machine's own packages for the rest): missing or wrong
@@ -17,12 +26,14 @@ machine. So:
             when the wheels were chosen; this is where that is settled.
 
 Python standard library (plus ``packaging``, which the machine has) only.
+Development tooling for the lent machine, not part of vllm-kvmem.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -32,6 +43,52 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pieces  # noqa: E402
+
+#: Where the pieces are kept on the machine between calls (outside the
+#: checkout, which the next carried path may replace).
+STORE = Path("/tmp/kvmem-pieces")
+
+
+def default_store() -> Path:
+    """:data:`STORE`, or ``KVMEM_PIECE_STORE`` when set (the tests)."""
+    return Path(os.environ.get("KVMEM_PIECE_STORE") or STORE)
+
+
+def store_for(carried: Path, store: Path | None = None) -> Path:
+    """The store's folder for a carried plan folder: its parent's and its own
+    name, without leading dots (``.gpu-wheels-0.33.0/torch211`` ->
+    ``STORE/gpu-wheels-0.33.0/torch211``), so releases and plans never mix."""
+    carried = Path(os.path.abspath(carried))
+    return (store or default_store()) / carried.parent.name.lstrip(".") / carried.name
+
+
+def take(carried: Path, dest: Path, hash_them: bool = False) -> int:
+    """Copy every piece folder under ``carried`` into ``dest`` (a folder whose
+    piece is already there whole is left alone), then report ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    found = sorted(p for p in carried.glob("p[0-9]*") if p.is_dir())
+    copied = []
+    for folder in found:
+        target = dest / folder.name
+        same = target.is_dir() and sorted(
+            (f.name, f.stat().st_size) for f in target.iterdir()
+        ) == sorted((f.name, f.stat().st_size) for f in folder.iterdir())
+        if same:
+            continue
+        tmp = dest / f".{folder.name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp)
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)  # a piece is in the store whole or not at all
+        copied.append(folder.name)
+    print(
+        f"took {', '.join(copied) or 'nothing new'} from {carried} into {dest}"
+        + ("" if found else f" ({carried}: no piece folder carried in this call)")
+    )
+    if not any(dest.glob("p[0-9]*/manifest.json")):
+        print(f"no piece in {dest} yet")
+        return 3
+    return status(dest, hash_them)
 
 
 def status(root: Path, hash_them: bool) -> int:
@@ -162,6 +219,10 @@ def check(target: Path) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("take", help="copy carried pieces into the store, report")
+    t.add_argument("carried", type=Path, help="e.g. .gpu-wheels/torch211")
+    t.add_argument("--dest", type=Path, help="default: the store's folder for it")
+    t.add_argument("--hash", action="store_true", help="also check sha256")
     s = sub.add_parser("status")
     s.add_argument("--root", type=Path, required=True)
     s.add_argument("--hash", action="store_true", help="also check sha256")
@@ -180,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--target", type=Path, required=True)
     c.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    if args.cmd == "take":
+        return take(args.carried, args.dest or store_for(args.carried), args.hash)
     if args.cmd == "status":
         return status(args.root, args.hash)
     if args.cmd == "install":

@@ -26,8 +26,13 @@ network: wheels reach it only inside a device call, 64 MiB per call. So:
 
 Usage (repository root; CI never runs this, it downloads about 2 GB)::
 
-    .venv/bin/python scripts/gpu/fetch_wheels.py [--python python3.12]
+    .venv/bin/python scripts/gpu/transport/fetch_wheels.py [--python python3.12]
         [--plan auto|full|lean|core] [--out .gpu-wheels] [--no-download]
+    .venv/bin/python scripts/gpu/transport/fetch_wheels.py --rerender
+        # no pip: the committed size report re-estimated with CallModel
+
+Development tooling for the lent GPU machine (it has no network), not part
+of vllm-kvmem: a GPU server installs vLLM and the plugin with pip.
 """
 
 from __future__ import annotations
@@ -65,10 +70,12 @@ except ImportError:  # pip always vendors it
     from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pieces  # noqa: E402
+from gpu_common import MEASURED_S  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+HERE = Path(__file__).resolve().parent  # scripts/gpu/transport
+ROOT = HERE.parent.parent.parent
 MIB = 1024**2
 GIB = 1024**3
 #: vLLM releases the recipe can carry, each with the torch its CUDA wheel pins
@@ -481,22 +488,23 @@ def stream_order(rows_by_plan: Mapping[str, Sequence[Row]], plan: str) -> list[R
 class CallModel:
     """What a device call costs, in seconds of the session's device time.
 
-    Defaults are assumptions, not readings (no call has been timed here):
-    a cold start "a minute or more" (device README), a call carrying one
-    58 MiB piece about 30 s (sending ~62 MiB, the command checking the
-    piece, and the idle seconds while the session prepares the next call,
-    which count as device time), pip installing from local wheels about
-    30 s per GiB plus 30 s. Stage 2's first run is item g, issue 30's A/B
-    (``ab_offload.py``'s own estimate for three arms); items a-f need a
-    session of their own. Limits as the device README gives them since
-    2026-11-25: 15 device minutes per session, all calls together."""
+    Measured on the first GPU run (an NVIDIA H200, 2026-11-26;
+    ``gpu_common.MEASURED_S``): a cold start 30 s; a call carrying one
+    58 MiB piece 8 s (calls 2-8 held 56 s: the transfer, the command
+    taking the piece and the idle seconds before the next call, which count
+    as device time); install, requirement check and import probe 30 s for
+    the torch211 plan's 344 MiB (20 s + 30 s per GiB, the per-GiB part not
+    measured on any larger plan); stage 1 85 s. Stage 2's first run is the
+    real-size run (``real_size.py``, its ``--max-wall-s`` default: the next
+    session's runs after the pieces). Limits as the device README gives them
+    since 2026-11-25: 15 device minutes per session, all calls together."""
 
-    cold_start_s: float = 90.0
-    per_piece_call_s: float = 30.0
+    cold_start_s: float = MEASURED_S["cold_start"]
+    per_piece_call_s: float = MEASURED_S["piece_call"]
     install_s_per_gib: float = 30.0
-    install_fixed_s: float = 30.0
-    stage1_s: float = 150.0  # one call: tests + transfer bench, start excluded
-    stage2_runs_s: float = 360.0  # item g: three servers, probes, 12 runs
+    install_fixed_s: float = MEASURED_S["install_and_probe"] - 10.0
+    stage1_s: float = MEASURED_S["stage1"]  # one call, start excluded
+    stage2_runs_s: float = 480.0  # real_size.py's --max-wall-s default
     device_budget_s: float = 15 * 60.0
     hold_limit_s: float = 30 * 60.0
 
@@ -625,8 +633,20 @@ def download(python: str, rows: Sequence[Row], dest: Path) -> dict[str, Path]:
 # -- report ---------------------------------------------------------------------
 
 
-def choose_plan(estimates: Mapping[str, dict]) -> str:
-    """The most complete plan that fits after stage 1, else the smallest."""
+#: The plan that has run on the machine: vLLM 0.32's engines and servers on
+#: the machine's torch 2.11 (NVIDIA H200, 2026-11-26, with
+#: ``VLLM_USE_FLASHINFER_SAMPLER=0``).
+PROVEN_PLAN = "torch211"
+
+
+def choose_plan(estimates: Mapping[str, dict], prefer: str | None = PROVEN_PLAN) -> str:
+    """``prefer`` (the plan that has run) when it fits after stage 1; else the
+    most complete plan that fits, else the smallest. With the measured costs
+    the larger plans fit too, but each piece call is device time taken from
+    the runs, and what they add (vLLM's torch pin) is not what a session
+    measures."""
+    if prefer is not None and estimates[prefer]["fits_with_stage1"]:
+        return prefer
     for plan in ("full", "lean", "core", "torch211"):
         if estimates[plan]["fits_with_stage1"]:
             return plan
@@ -685,16 +705,19 @@ def render_markdown(report: Mapping) -> str:
         "",
         f"**Chosen plan: `{report['chosen']}`.** {report['chosen_why']}",
         "",
-        "Device-time model (assumptions, not readings; `CallModel` in the "
-        f"script): cold start {model['cold_start_s']:.0f} s; each call that "
+        "Device-time model (`CallModel` in the script; measured on the first "
+        "GPU run, an NVIDIA H200 on 2026-11-26, except the install's per-GiB "
+        f"part): cold start {model['cold_start_s']:.0f} s; each call that "
         f"carries one piece {model['per_piece_call_s']:.0f} s (sending about "
-        f"{report['piece_bytes'] // MIB + 4} MiB, checking the piece, and the "
-        "idle seconds until the "
-        "session's next call, which count as device time); pip install "
-        f"{model['install_s_per_gib']:.0f} s per GiB + "
-        f"{model['install_fixed_s']:.0f} s; stage 1 "
-        f"{model['stage1_s'] / 60:.1f} min; stage 2's engine runs "
-        f"{model['stage2_runs_s'] / 60:.0f} min (item g, the A/B). Limits: "
+        f"{report['piece_bytes'] // MIB + 4} MiB, taking the piece out of the "
+        "checkout, and the idle seconds until the session's next call, which "
+        "count as device time); install and probe "
+        f"{model['install_fixed_s']:.0f} s + {model['install_s_per_gib']:.0f} s "
+        f"per GiB; stage 1 {model['stage1_s'] / 60:.1f} min; stage 2's runs "
+        f"{model['stage2_runs_s'] / 60:.0f} min (the real-size run, "
+        "`real_size.py --max-wall-s`). The chosen plan is the one that has "
+        f"run on the machine ({PROVEN_PLAN}) when it fits, else the most "
+        "complete that fits. Limits: "
         f"{model['device_budget_s'] / 60:.0f} device minutes per session, a "
         "machine held "
         f"{model['hold_limit_s'] / 60:.0f} minutes at most, and every piece "
@@ -771,6 +794,26 @@ def render_markdown(report: Mapping) -> str:
     return "\n".join(lines)
 
 
+def choice(estimates: Mapping[str, dict], model: CallModel) -> tuple[str, str]:
+    """The chosen plan and the report's sentence on it."""
+    chosen = choose_plan(estimates)
+    est = estimates[chosen]
+    why = (
+        f"It carries {est['mib']:,} MiB in {est['calls']} calls; stage 2 alone "
+        f"needs about {est['stage2_min']} device minutes, stage 1 and 2 in one "
+        f"hold about {est['stage1_and_2_min']}."
+    )
+    if chosen == PROVEN_PLAN:
+        why += " It is the plan that has run on the machine (2026-11-26)."
+    if not est["fits_with_stage1"]:
+        why += (
+            f" Even this does not fit after stage 1 in {model.limit_s / 60:.0f} device "
+            "minutes: run stage 2 in a session of its own, carrying the "
+            "pieces first."
+        )
+    return chosen, why
+
+
 def build_report(
     rows_by_plan: Mapping[str, Sequence[Row]],
     sizes: Mapping[str, int],
@@ -790,19 +833,7 @@ def build_report(
             "estimate": estimate(total, piece_bytes, model),
             "rows": [asdict(r) for r in rows],
         }
-    chosen = choose_plan({p: info["estimate"] for p, info in plans.items()})
-    est = plans[chosen]["estimate"]
-    why = (
-        f"It carries {est['mib']:,} MiB in {est['calls']} calls; stage 2 alone "
-        f"needs about {est['stage2_min']} device minutes, stage 1 and 2 in one "
-        f"hold about {est['stage1_and_2_min']}."
-    )
-    if not est["fits_with_stage1"]:
-        why += (
-            f" Even this does not fit after stage 1 in {model.limit_s / 60:.0f} device "
-            "minutes: run stage 2 in a session of its own, carrying the "
-            "pieces first."
-        )
+    chosen, why = choice({p: info["estimate"] for p, info in plans.items()}, model)
     return {
         **meta,
         "piece_bytes": piece_bytes,
@@ -860,6 +891,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="use OUT/resolution.json from an earlier run instead of resolving",
     )
     p.add_argument("--note", action="append", default=[], help="add to the report")
+    p.add_argument(
+        "--rerender",
+        action="store_true",
+        help="no pip: re-estimate the committed size report with CallModel "
+        "(sizes and pieces as they were) and write it again",
+    )
     args = p.parse_args(argv)
     args.out = args.out or default_out(args.vllm)
     if args.report_dir is None:
@@ -879,8 +916,46 @@ def pip_version(python: str) -> str:
     return m.group(1) if m else "?"
 
 
+def rerender(report: dict, model: CallModel, note: str | None = None) -> dict:
+    """``report`` re-estimated with ``model``: each plan's bytes, the piece
+    size and the pieces stay as measured; estimates, the call model, the
+    choice and its reason follow ``model``. The choice must stay the plan
+    whose pieces were cut (else the pieces are another plan's)."""
+    out = dict(report)
+    plans = {}
+    for plan, info in report["plans"].items():
+        est = estimate(info["estimate"]["bytes"], report["piece_bytes"], model)
+        plans[plan] = {**info, "estimate": est}
+    chosen, why = choice({p: i["estimate"] for p, i in plans.items()}, model)
+    out.update(plans=plans, call_model=asdict(model), chosen=chosen, chosen_why=why)
+    pieces_plan = (report.get("pieces") or {}).get("plan")
+    if pieces_plan and pieces_plan != out["chosen"]:
+        raise SystemExit(
+            f"re-estimated, the report would choose {out['chosen']}, but its "
+            f"pieces are {pieces_plan}'s: run fetch_wheels.py to cut new ones"
+        )
+    if note:
+        kept = [n for n in report.get("notes", []) if n[:20] != note[:20]]
+        out["notes"] = [*kept, note]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rerender:
+        path = args.report_dir / "size_report.json"
+        report = rerender(
+            json.loads(path.read_text()),
+            CallModel(),
+            "Estimates re-made with the device costs measured on the first GPU "
+            "run (NVIDIA H200, 2026-11-26) by `fetch_wheels.py --rerender`; "
+            "sizes, resolution and pieces are those of the run above (the "
+            "script has since moved to scripts/gpu/transport/).",
+        )
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        (args.report_dir / "size_report.md").write_text(render_markdown(report))
+        print(f"{path}: chosen {report['chosen']}; {report['chosen_why']}")
+        return 0
     python = find_python312(args.python)
     args.out.mkdir(parents=True, exist_ok=True)
     machine = parse_machine_packages(args.machine_packages.read_text())
@@ -914,7 +989,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine_list": _rel(args.machine_packages),
         "command": " ".join(
             [
-                "python scripts/gpu/fetch_wheels.py",
+                "python scripts/gpu/transport/fetch_wheels.py",
                 *(sys.argv[1:] if argv is None else argv),
             ]
         ),
