@@ -25,6 +25,7 @@ from vllm_kvmem.budget.token_blocks import blocks_for_tokens
 from vllm_kvmem.core import units
 from vllm_kvmem.core.units import GiB, KiB, MiB, cdiv
 from vllm_kvmem.planner import kv_math as km
+from vllm_kvmem.planner import partition
 from vllm_kvmem.tiny_model import build_tiny_model
 
 QWEN3_32B = {
@@ -701,12 +702,12 @@ def test_heterogeneous_16g_32g_beats_even(
     info = planner.load_model(llama)
     arith = planner.KVCosts(info, p.setup)
     first, last = info.weights.stage_fixed_bytes(2)
-    cost = km.PipelineCost(
+    cost = partition.PipelineCost(
         32, arith.bytes_per_block, info.weights.per_layer, first, last
     )
     devices = [16 * GiB, 32 * GiB]
     brute = max(
-        km.evaluate_partition(cost, [a, 32 - a], devices, GiB).num_blocks
+        partition.evaluate_partition(cost, [a, 32 - a], devices, GiB).num_blocks
         for a in range(1, 32)
     )
     assert r.best.num_blocks == brute
@@ -759,7 +760,7 @@ def test_best_partition_is_exact_against_brute_force() -> None:
             for _ in range(n)
         ]
         groups = km.kv_cache_groups(layers)
-        cost = km.PipelineCost(
+        cost = partition.PipelineCost(
             n,
             km.bytes_per_block_fn(groups, n, block_size=16),
             [rng.randint(1, 100) * 1000 for _ in range(n)],
@@ -768,14 +769,14 @@ def test_best_partition_is_exact_against_brute_force() -> None:
         )
         devices = [rng.randint(300, 900) * 1000 for _ in range(pp)]
         brute = max(
-            km.evaluate_partition(cost, parts, devices, 0).num_blocks
+            partition.evaluate_partition(cost, parts, devices, 0).num_blocks
             for parts in _compositions(n, pp)
         )
         if brute < 0:
             with pytest.raises(ValueError):
-                km.best_partition(cost, devices, 0)
+                partition.best_partition(cost, devices, 0)
             continue
-        assert km.best_partition(cost, devices, 0).num_blocks == brute
+        assert partition.best_partition(cost, devices, 0).num_blocks == brute
 
 
 def _compositions(n: int, k: int):
@@ -787,14 +788,14 @@ def _compositions(n: int, k: int):
 def test_best_partition_is_fast_for_128_layers_4_stages() -> None:
     layers = [km.full_attention(8, 128, 1)] * 128
     groups = km.kv_cache_groups(layers)
-    cost = km.PipelineCost(
+    cost = partition.PipelineCost(
         128,
         km.bytes_per_block_fn(groups, 128, block_size=16),
         [950 * MiB] * 128,
         GiB,
         GiB,
     )
-    fit = km.best_partition(cost, [24 * GiB, 40 * GiB, 80 * GiB, 32 * GiB], GiB)
+    fit = partition.best_partition(cost, [24 * GiB, 40 * GiB, 80 * GiB, 32 * GiB], GiB)
     assert sum(fit.partition) == 128
     assert fit.partition[2] == max(fit.partition)  # the 80 GiB device
 
