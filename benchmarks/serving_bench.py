@@ -722,8 +722,8 @@ def ensure_model(cache: Path, shape: str | None = None, dtype: str = "") -> Path
     the published ``shape``'s folder (no weights)."""
     from vllm_kvmem.tiny_model import build_tiny_model
 
-    if shape:
-        return PublishedShape(shape, dtype).ensure(cache)
+    if shape:  # absolute: the servers start in a temporary folder
+        return PublishedShape(shape, dtype).ensure(cache.resolve())
     path = cache / "L8-H256-KV2-D64-float32"
     if not (path / "model.safetensors").exists():
         build_tiny_model(path, dtype="float32")
