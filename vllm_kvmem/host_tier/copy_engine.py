@@ -112,9 +112,8 @@ GATHER_MIN_COPIES_AT_64K = 8
 GATHER_MIN_COPIES_PER_DOUBLING = 4
 
 #: Cap on the device staging buffer when ``auto`` gathers on a block-outer
-#: layout, per copy stream; the budget reserves it on such layouts
-#: (``vllm_kvmem.budget.device_limits.staging_reserve_bytes``: 2 x 32 MiB),
-#: a smaller figure than a layer-outer layout's full gather. It holds
+#: layout, per copy stream; a KV budget reserves it on such layouts (2 x 32
+#: MiB, a smaller figure than a layer-outer layout's full gather). It holds
 #: :func:`gather_min_copies` blocks of up to about 1.2 MiB; larger blocks
 #: stay direct (the gain measured at 1 MiB is 2-5%).
 AUTO_GATHER_MAX_STAGING_BYTES = 32 * MiB
