@@ -439,9 +439,10 @@ class HostTierScheduler(CountsStats):
         vLLM's lazy offload walks): the blocks it examined stay examined
         until vLLM allocates them (``_spill_shadow_evictions`` takes them
         off), and only the blocks that have come within the window since are
-        looked at, so a step costs the blocks it moved, not the window. It
-        stops short of a block it could not pick (budget spent, host full),
-        which the next step's walk picks first."""
+        looked at, so a step costs the blocks it moved, not the window. At a
+        block it could not pick (budget spent, host full) the cursor stops,
+        so that the next step picks it first; the blocks beyond are still
+        shadowed, and walked again by the next step."""
         queue = getattr(self._pool, "free_block_queue", None)
         if queue is None:
             return []
@@ -455,30 +456,33 @@ class HostTierScheduler(CountsStats):
         examined, shadow, index = self._examined, self._shadow, self.index
         picked: list[tuple[int, int]] = []
         budget = self._budget_blocks
+        position, stalled = len(examined), False
         for block in queue.iter_blocks_after(cursor):
-            if len(examined) >= self._shadow_window:
+            if position >= self._shadow_window:
                 break
+            position += 1
             key = block.block_hash
             if key is not None and not block.is_null:
                 covered = block.block_hash_num_tokens
+                shadow[block.block_id] = (key, covered)
                 if (
-                    len(examined) < self._scan_window
+                    not stalled
+                    and position <= self._scan_window
                     and block.block_id not in self._ahead
                     and (covered is None or covered % self.block_size == 0)
                     and key not in index
                 ):
-                    if len(picked) >= budget:
-                        break  # the next step's first pick
-                    slot = index.put(key)
-                    if slot is None:
-                        break  # every host slot is pinned
-                    index.pin([slot])
-                    self._step_pins.append(slot)
-                    picked.append((block.block_id, slot))
-                    self._ahead[block.block_id] = (key, self._seq)
-                shadow[block.block_id] = (key, covered)
-            examined[block.block_id] = None
-            cursor = block
+                    slot = index.put(key) if len(picked) < budget else None
+                    if slot is None:  # budget spent, or every slot pinned
+                        stalled = True
+                    else:
+                        index.pin([slot])
+                        self._step_pins.append(slot)
+                        picked.append((block.block_id, slot))
+                        self._ahead[block.block_id] = (key, self._seq)
+            if not stalled:
+                examined[block.block_id] = None
+                cursor = block
         self._cursor = cursor
         return picked
 

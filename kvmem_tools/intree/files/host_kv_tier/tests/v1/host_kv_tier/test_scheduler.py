@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.host_kv_tier.config import HostTierConfig
 from vllm.v1.host_kv_tier.scheduler import HostTierScheduler
 
@@ -54,6 +55,18 @@ def _free(pool: BlockPool, blocks: list) -> None:
     pool.free_blocks(reversed(blocks))  # vLLM frees a request's tail first
 
 
+def _pass(tier: HostTierScheduler, handed_out: list = ()):
+    """The connector's metadata for one scheduling pass, whose scheduler
+    output reports the blocks it handed to a running request."""
+    output = SchedulerOutput.make_empty()
+    if handed_out:
+        output.scheduled_cached_reqs.req_ids.append("running")
+        output.scheduled_cached_reqs.new_block_ids.append(
+            ([b.block_id for b in handed_out],)
+        )
+    return tier.build_connector_meta(output)
+
+
 def _keys(request) -> list:
     return [make_block_hash_with_group_id(h, 0) for h in request.block_hashes]
 
@@ -63,9 +76,9 @@ def test_copies_ahead_only_cached_blocks_within_the_budget():
     tier = _tier(pool)
     a = _request("a", 4)
     blocks = _computed(pool, a)
-    assert tier.build_connector_meta(None).ahead_saves == []  # in use
+    assert _pass(tier).ahead_saves == []  # in use
     _free(pool, blocks)
-    meta = tier.build_connector_meta(None)
+    meta = _pass(tier)
     # The head of the free queue holds uncached blocks; then a's, tail first.
     assert [b for b, _ in meta.ahead_saves] == [blocks[3].block_id, blocks[2].block_id]
     assert meta.evict_saves == []
@@ -77,15 +90,15 @@ def test_block_evicted_before_its_copy_is_spilled_with_its_hash():
     a = _request("a", 4)
     blocks = _computed(pool, a)
     _free(pool, blocks)
-    ahead = tier.build_connector_meta(None).ahead_saves
-    pool.get_new_blocks(pool.get_num_free_blocks())  # evicts every cached block
-    meta = tier.build_connector_meta(None)
+    ahead = _pass(tier).ahead_saves
+    # Handing out every free block evicts every cached one.
+    meta = _pass(tier, pool.get_new_blocks(pool.get_num_free_blocks()))
     # a's first two blocks had no copy: spilled before the forward, once.
     assert [b for b, _ in meta.evict_saves] == [blocks[1].block_id, blocks[0].block_id]
     # The two copied ahead may still be in flight: the forward waits for them.
     assert sorted(meta.fence) == sorted(b for b, _ in ahead)
     assert all(key in tier.index for key in _keys(a))
-    assert tier.build_connector_meta(None).evict_saves == []
+    assert _pass(tier).evict_saves == []
 
 
 def test_prefix_cache_reset_spills_nothing():
@@ -93,11 +106,10 @@ def test_prefix_cache_reset_spills_nothing():
     tier = _tier(pool, step_blocks=1)
     blocks = _computed(pool, _request("a", 4))
     _free(pool, blocks)
-    tier.build_connector_meta(None)
+    _pass(tier)
     assert pool.reset_prefix_cache()
     assert tier.reset_cache()
-    pool.get_new_blocks(pool.get_num_free_blocks())
-    meta = tier.build_connector_meta(None)
+    meta = _pass(tier, pool.get_new_blocks(pool.get_num_free_blocks()))
     assert meta.evict_saves == [] and meta.ahead_saves == []
     assert len(tier.index) == 0
 
@@ -105,14 +117,13 @@ def test_prefix_cache_reset_spills_nothing():
 def test_finished_request_evicted_in_the_next_pass_is_spilled():
     pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=4)
     tier = _tier(pool, step_blocks=1)
-    tier.build_connector_meta(None)
+    _pass(tier)
     a = _request("a", 4)
     blocks = _computed(pool, a)
     tier.request_finished(a, ([b.block_id for b in blocks],))
     _free(pool, blocks)
     # The next scheduling pass evicts them before any walk saw them free.
-    pool.get_new_blocks(pool.get_num_free_blocks())
-    meta = tier.build_connector_meta(None)
+    meta = _pass(tier, pool.get_new_blocks(pool.get_num_free_blocks()))
     assert sorted(b for b, _ in meta.evict_saves) == sorted(b.block_id for b in blocks)
     assert all(key in tier.index for key in _keys(a))
 
@@ -122,16 +133,15 @@ def test_host_hit_loads_in_budget_sized_chunks():
     tier = _tier(pool, step_blocks=2)
     a = _request("a", 4)
     _free(pool, _computed(pool, a))
-    tier.build_connector_meta(None)
-    pool.get_new_blocks(pool.get_num_free_blocks())  # a leaves the device
-    tier.build_connector_meta(None)
+    _pass(tier)
+    _pass(tier, pool.get_new_blocks(pool.get_num_free_blocks()))  # a leaves
     pool.free_blocks(pool.blocks[1:])
 
     hit, is_async = tier.get_num_new_matched_tokens(a, 0)
     assert (hit, is_async) == (4 * BLOCK_SIZE, True)  # 4 blocks > 2 per step
     new = pool.get_new_blocks(4)
     tier.update_state_after_alloc(a, SimpleNamespace(blocks=(new,)), hit)
-    chunks = [tier.build_connector_meta(None).loads for _ in range(2)]
+    chunks = [_pass(tier).loads for _ in range(2)]
     assert [[c.blocks for c in step] for step in chunks] == [
         [[b.block_id for b in new[:2]]],
         [[b.block_id for b in new[2:]]],
