@@ -511,33 +511,42 @@ def _variant(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
     return ns
 
 
-class AB:
+class GpuSession:
+    """What a GPU script's run holds: its servers, the report it rewrites
+    after every step, the wall-clock budget and vLLM's client. ``AB`` here
+    and ``real_size.RealSize`` fill the report their own way."""
+
+    script = "ab_offload"
+
     def __init__(
-        self, args: argparse.Namespace, gpu: dict[str, str], argv: list[str]
+        self,
+        args: argparse.Namespace,
+        gpu: dict[str, str],
+        argv: list[str],
+        model: Path,
+        benchmark: str,
+        **report: Any,
     ) -> None:
         self.args = args
         self.work: Path = args.work
         self.work.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
-        self.out_path = args.out / f"ab_offload_{device_suffix(gpu['name'])}.json"
-        self.model = sb.ensure_model(args.model_cache)
+        suffix = device_suffix(gpu["name"])
+        self.out_path = args.out / f"{self.script}_{suffix}.json"
+        self.model = model
+        self.servers: dict[str, ABServer] = {}
+        self.calls = 0
+        self._tokenizer: Any = None
         self.report: dict[str, Any] = {
-            "benchmark": "ab_offload (issue 30)",
+            "benchmark": benchmark,
             "platform": "GPU",
             "label": gpu_label(gpu),
             "device": gpu,
             "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "scripts/gpu/ab_offload.py", *argv]),
+            "command": shlex.join(["python", f"scripts/gpu/{self.script}.py", *argv]),
             "versions": sb.versions(),
-            "plan": build_plan(args, self.model),
-            "servers": {},
-            "probes": [],
-            "runs": [],
-            "skipped": [],
+            **report,
         }
-        self.servers: dict[str, ABServer] = {}
-        self.calls = 0
-        self._tokenizer: Any = None
 
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
@@ -569,14 +578,69 @@ class AB:
         finally:  # what it holds goes into this report; keep the logs small
             (self.work / name).unlink(missing_ok=True)
 
+    def finish(self, *steps: str) -> int:
+        """The summary, the last line, and the exit code: 1 when a step of
+        the report's ``steps`` lists failed or an arm did not start, 3 when
+        steps were skipped, else 0."""
+        print(json.dumps(self.report.get("summary", {}), default=str)[:3000])
+        failed = [r for key in steps for r in self.report[key] if r.get("error")]
+        down = [arm for arm, i in self.report["servers"].items() if i.get("error")]
+        skipped = self.report["skipped"]
+        print(
+            f"JSON: {self.out_path}; failed steps {len(failed)}, arms down {down}, "
+            f"skipped steps {len(skipped)}"
+        )
+        return 1 if failed or down else 3 if skipped else 0
+
+
+def arm_env(cfg: dict[str, Any]) -> dict[str, str]:
+    """A server's environment: serving_bench's, what the GPU machine needs
+    (``SERVER_ENV``: no flashinfer there), then the arm's own."""
+    env = sb.server_env(1)
+    for key, value in SERVER_ENV.items():
+        env.setdefault(key, value)
+    for key in cfg["unset_env"]:
+        env.pop(key, None)
+    env.update(cfg["env"])
+    return env
+
+
+def run_on_gpu(session: Any, args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Run ``session(args, gpu, argv).main()`` on this machine's NVIDIA GPU;
+    2 (and a line saying why) without one."""
+    gpu = gpu_info()
+    if gpu is None:
+        print(f"{session.script}: needs an NVIDIA GPU (nvidia-smi found none); "
+              "--dry-run writes the plan anywhere")  # fmt: skip
+        return 2
+    # SIGTERM (a call's limit) runs the finally that stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with contextlib.suppress(KeyboardInterrupt):
+        return session(args, gpu, list(sys.argv[1:] if argv is None else argv)).main()
+    return 130
+
+
+class AB(GpuSession):
+    def __init__(
+        self, args: argparse.Namespace, gpu: dict[str, str], argv: list[str]
+    ) -> None:
+        model = sb.ensure_model(args.model_cache)
+        super().__init__(
+            args,
+            gpu,
+            argv,
+            model,
+            "ab_offload (issue 30)",
+            plan=build_plan(args, model),
+            servers={},
+            probes=[],
+            runs=[],
+            skipped=[],
+        )
+
     def start(self, arm: str) -> None:
         cfg = arm_config(arm, self.args.host_bytes)
-        env = sb.server_env(1)
-        for key, value in SERVER_ENV.items():  # flashinfer is not carried
-            env.setdefault(key, value)
-        for key in cfg["unset_env"]:
-            env.pop(key, None)
-        env.update(cfg["env"])
+        env = arm_env(cfg)
         server = ABServer(
             arm,
             server_cmd(arm, self.model, self.args),
@@ -717,17 +781,7 @@ class AB:
                 texts = r.pop("texts", None)
                 r["text_digest"] = sb._text_digest(texts or [])
             self.save()
-        print(json.dumps(self.report.get("summary", {}), default=str)[:3000])
-        failed = [
-            r for r in self.report["runs"] + self.report["probes"] if r.get("error")
-        ]
-        down = [arm for arm, i in self.report["servers"].items() if i.get("error")]
-        skipped = self.report["skipped"]
-        print(
-            f"JSON: {self.out_path}; failed steps {len(failed)}, arms down {down}, "
-            f"skipped steps {len(skipped)}"
-        )
-        return 1 if failed or down else 3 if skipped else 0
+        return self.finish("runs", "probes")
 
 
 # -- command line -----------------------------------------------------------------
@@ -800,16 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan, indent=1))
         print(f"ab_offload dry run -> {args.out / 'ab_offload_plan.json'}")
         return 0
-    gpu = gpu_info()
-    if gpu is None:
-        print("ab_offload: needs an NVIDIA GPU (nvidia-smi found none); --dry-run "
-              "prints the plan anywhere")  # fmt: skip
-        return 2
-    # SIGTERM (a call's limit) runs the finally that stops the servers.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with contextlib.suppress(KeyboardInterrupt):
-        return AB(args, gpu, list(sys.argv[1:] if argv is None else argv)).main()
-    return 130
+    return run_on_gpu(AB, args, argv)
 
 
 if __name__ == "__main__":

@@ -63,13 +63,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import contextlib
-import datetime as dt
 import json
 import math
 import os
 import re
-import shlex
-import signal
 import statistics
 import sys
 import time
@@ -86,9 +83,6 @@ import serving_bench as sb  # noqa: E402
 from gpu_common import (  # noqa: E402
     MEASURED_S,
     SERVER_ENV,
-    device_suffix,
-    gpu_info,
-    gpu_label,
 )
 
 GIB = 1 << 30
@@ -542,76 +536,29 @@ def summarize_profile(runs: list[dict[str, Any]], arms: list[str]) -> dict:
 # -- the run (GPU) ------------------------------------------------------------------
 
 
-class RealSize:
+class RealSize(ab.GpuSession):
+    script = "real_size"
+
     def __init__(
         self, args: argparse.Namespace, gpu: dict[str, str], argv: list[str]
     ) -> None:
-        self.args = args
-        self.work: Path = args.work
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.t0 = time.monotonic()
-        self.out_path = args.out / f"real_size_{device_suffix(gpu['name'])}.json"
-        self.model = shape(args).ensure(args.model_cache)
-        self.servers: dict[str, ab.ABServer] = {}
-        self.calls = 0
-        self._tokenizer: Any = None
-        self.report: dict[str, Any] = {
-            "benchmark": "real_size (issue 36)",
-            "platform": "GPU",
-            "label": gpu_label(gpu),
-            "device": gpu,
-            "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "scripts/gpu/real_size.py", *argv]),
-            "versions": sb.versions(),
-            "machine": machine_facts(),
-            "plan": build_plan(args),
-            "servers": {},
-            "ttft": [],
-            "runs": [],
-            "skipped": [],
-        }
-
-    # helpers
-    def left_s(self) -> float:
-        return self.args.max_wall_s - (time.monotonic() - self.t0)
-
-    def save(self) -> None:
-        self.report["wall_s"] = time.monotonic() - self.t0
-        tmp = self.out_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.report, indent=1, default=str) + "\n")
-        tmp.replace(self.out_path)
-
-    def tokenize(self, text: str) -> list[int]:
-        if self._tokenizer is None:
-            from tokenizers import Tokenizer
-
-            self._tokenizer = Tokenizer.from_file(str(self.model / "tokenizer.json"))
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
-
-    def client(
-        self, server: ab.ABServer, ns: argparse.Namespace, prefixes: int,
-        prompts: int, seed: int,
-    ) -> dict[str, Any]:  # fmt: skip
-        self.calls += 1
-        name = f"client-{self.calls:04d}-{server.config}.json"
-        argv = sb.client_argv(server, self.model, ns, prefixes, prompts, seed,
-                              self.work, name)  # fmt: skip
-        try:
-            return sb.run_client(
-                argv, self.work / f"client-{server.config}.log", sb.RUN_TIMEOUT_S
-            )
-        finally:
-            (self.work / name).unlink(missing_ok=True)
+        super().__init__(
+            args,
+            gpu,
+            argv,
+            shape(args).ensure(args.model_cache),
+            "real_size (issue 36)",
+            machine=machine_facts(),
+            plan=build_plan(args),
+            servers={},
+            ttft=[],
+            runs=[],
+            skipped=[],
+        )
 
     # servers
     def _server(self, arm: str) -> ab.ABServer:
-        cfg = arm_config(arm, self.args.host_bytes)
-        env = sb.server_env(1)
-        for key, value in SERVER_ENV.items():  # flashinfer is not carried
-            env.setdefault(key, value)
-        for key in cfg["unset_env"]:
-            env.pop(key, None)
-        env.update(cfg["env"])
+        env = ab.arm_env(arm_config(arm, self.args.host_bytes))
         return ab.ABServer(
             arm, server_cmd(arm, self.args), env, self.work / f"server-{arm}.log"
         )
@@ -799,17 +746,7 @@ class RealSize:
             for r in self.report["runs"]:
                 r["text_digest"] = sb._text_digest(r.pop("texts", None) or [])
             self.save()
-        print(json.dumps(self.report.get("summary", {}), default=str)[:3000])
-        failed = [
-            r for r in self.report["runs"] + self.report["ttft"] if r.get("error")
-        ]
-        down = [a for a, i in self.report["servers"].items() if i.get("error")]
-        skipped = self.report["skipped"]
-        print(
-            f"JSON: {self.out_path}; failed steps {len(failed)}, arms down {down}, "
-            f"skipped {len(skipped)}"
-        )
-        return 1 if failed or down else 3 if skipped else 0
+        return self.finish("runs", "ttft")
 
 
 def machine_facts() -> dict[str, Any]:
@@ -928,15 +865,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "estimate_starts_s")}))  # fmt: skip
         print(f"real_size dry run -> {path}")
         return 0
-    gpu = gpu_info()
-    if gpu is None:
-        print("real_size: needs an NVIDIA GPU (nvidia-smi found none); --dry-run "
-              "writes the plan anywhere")  # fmt: skip
-        return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with contextlib.suppress(KeyboardInterrupt):
-        return RealSize(args, gpu, list(sys.argv[1:] if argv is None else argv)).main()
-    return 130
+    return ab.run_on_gpu(RealSize, args, argv)
 
 
 if __name__ == "__main__":
