@@ -578,6 +578,28 @@ class GpuSession:
         finally:  # what it holds goes into this report; keep the logs small
             (self.work / name).unlink(missing_ok=True)
 
+    def repeat_after_eviction(
+        self,
+        server: ABServer,
+        one: argparse.Namespace,
+        fill: argparse.Namespace,
+        n: int,
+        seed: int,
+    ) -> dict[str, Any]:
+        """The probe prompt (``one``, ``seed``) again after ``n`` filler
+        prompts evicted it from the device: its TTFT and text, and the
+        connector's hits over that request (a host hit, or a recompute)."""
+        self.client(server, fill, n, n, seed + 500)
+        before = server.settled_metrics()
+        again = self.client(server, one, 1, 1, seed)
+        delta = sb.metric_delta(before, server.settled_metrics())
+        return {
+            "repeat_ttft_ms": again["ttfts"][0] * 1000,
+            "repeat_text": (again.get("generated_texts") or [None])[0],
+            "repeat": hit_rate(delta),
+            "repeat_delta": delta,
+        }
+
     def finish(self, *steps: str) -> int:
         """The summary, the last line, and the exit code: 1 when a step of
         the report's ``steps`` lists failed or an arm did not start, 3 when
@@ -669,17 +691,10 @@ class AB(GpuSession):
             server.reset_prefix_cache()
             cold = self.client(server, one, 1, 1, seed)
             n = evict_prompts(a)
-            self.client(server, many, n, n, seed + 500)
-            before = server.settled_metrics()
-            again = self.client(server, one, 1, 1, seed)
-            delta = sb.metric_delta(before, server.settled_metrics())
             rec.update(
                 cold_ttft_ms=cold["ttfts"][0] * 1000,
-                repeat_ttft_ms=again["ttfts"][0] * 1000,
                 cold_text=(cold.get("generated_texts") or [None])[0],
-                repeat_text=(again.get("generated_texts") or [None])[0],
-                repeat=hit_rate(delta),
-                repeat_delta=delta,
+                **self.repeat_after_eviction(server, one, many, n, seed),
             )
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"

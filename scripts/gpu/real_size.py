@@ -645,17 +645,7 @@ class RealSize(ab.GpuSession):
         rec["cold_text"] = (cold.get("generated_texts") or [None])[0]
         if it.cold_only:
             return rec
-        n = filler_count(a)
-        self.client(server, fill, n, n, seed + 500)
-        before = server.settled_metrics()
-        again = self.client(server, one, 1, 1, seed)
-        delta = sb.metric_delta(before, server.settled_metrics())
-        rec.update(
-            repeat_ttft_ms=again["ttfts"][0] * 1000,
-            repeat_text=(again.get("generated_texts") or [None])[0],
-            repeat=ab.hit_rate(delta),
-            repeat_delta=delta,
-        )
+        rec.update(self.repeat_after_eviction(server, one, fill, filler_count(a), seed))
         return rec
 
     def run(self, it: Item) -> dict[str, Any]:

@@ -483,7 +483,7 @@ class BlockCopyEngine:
         #: its number of direct copies (:func:`choose_strategy`).
         self._per_call = per_call
         if per_call:
-            # The budget reserves no staging for block-outer layouts.
+            # The smaller cap the budget reserves for block-outer layouts.
             self._staging_cap = min(
                 self.max_staging_bytes, AUTO_GATHER_MAX_STAGING_BYTES
             )
