@@ -167,9 +167,8 @@ class HostTierScheduler(CountsStats):
         blocks, shadow, examined = self._pool.blocks, self._shadow, self._examined
         for block_id in allocated:
             # Out of the free queue: no longer ahead of the walk's cursor.
-            if examined.pop(block_id, 0) is None and (
-                cursor is not None and cursor.block_id == block_id
-            ):
+            examined.pop(block_id, None)
+            if cursor is not None and cursor.block_id == block_id:
                 self._cursor = cursor = None  # the walk starts from the head
             entry = shadow.get(block_id)
             if entry is None:
