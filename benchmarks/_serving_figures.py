@@ -3,7 +3,7 @@ issue's targets, greedy identity, and the table and plot it prints and
 writes.
 
 Pure functions of the runs' records (vLLM's client JSON summarised), so the
-tests check them on synthetic runs and ``scripts/gpu/ab_offload.py`` reuses
+tests check them on synthetic runs and ``scripts/gpu/ab_figures.py`` reuses
 them for its arms.
 """
 
