@@ -81,10 +81,8 @@ import datetime as dt
 import functools
 import json
 import os
-import re
 import shlex
 import signal
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,6 +93,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serving_bench as sb  # noqa: E402  (no vLLM or torch at import)
+from ab_figures import (  # noqa: E402
+    hit_rate,
+    log_facts,
+    summarize_probes,
+    summarize_runs,
+    tier_step_us,
+)
 from gpu_common import (  # noqa: E402
     MEASURED_S,
     SERVER_ENV,
@@ -122,18 +127,6 @@ METRICS = sb.METRICS + (
     "vllm:kvmem_host_worker_step_seconds_sum",
     "vllm:kvmem_host_worker_step_seconds_count",
 )
-#: What each server's log says about its KV caches (None when absent).
-LOG_FACTS = {
-    "device_kv_tokens": re.compile(r"\w+ KV cache size: ([\d,]+) tokens"),
-    "tier_host_blocks": re.compile(r"Host KV tier: (\d+) blocks of"),
-    "simple_host_blocks": re.compile(
-        r"SimpleCPUOffloadScheduler: Allocating (\d+) offload blocks"
-    ),
-    "simple_mode": re.compile(r"SimpleCPUOffloadConnector: role=\w+, .*mode=(\w+)"),
-    "attention_backend": re.compile(r"Using (\w+) (?:attention )?backend[ .]"),
-    "kv_cache_layout": re.compile(r"Using (\w+) KV cache layout"),
-    "model_runner": re.compile(r"Using (V\d) Model Runner"),
-}
 #: The plan's costs, measured on the H200 run of 2026-11-26 (tiny model):
 #: a server's start and warm-up, one probe (three client calls), one
 #: throughput run (96 prompts, c4 or c8), and the rest (stopping the
@@ -219,21 +212,6 @@ def server_cmd(arm: str, model: Path, args: argparse.Namespace) -> list[str]:
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         *arm_config(arm, args.host_bytes)["flags"],
     ]  # fmt: skip
-
-
-def tier_step_us(delta: dict[str, float]) -> dict[str, float] | None:
-    """The tier's own mean time per engine step over a run, each side, from
-    its histograms (None in the arms without the tier). The histograms are
-    sent in batches (64 steps or 1 s), so a run's last steps may fall in the
-    next run's delta."""
-    out = {}
-    for side in ("scheduler", "worker"):
-        name = f"vllm:kvmem_host_{side}_step_seconds"
-        count = delta.get(f"{name}_count")
-        if count:
-            out[f"{side}_mean_us"] = round(1e6 * delta[f"{name}_sum"] / count, 1)
-            out[f"{side}_steps"] = count
-    return out or None
 
 
 def evict_prompts(args: argparse.Namespace) -> int:
@@ -355,143 +333,6 @@ def build_plan(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         * len(args.concurrency_list)
         * args.repeats,
     }
-
-
-# -- figures from the runs (pure, unit-tested) -------------------------------------
-
-
-def hit_rate(delta: dict[str, float]) -> dict[str, Any]:
-    """Host (connector) hits of one run from its /metrics delta."""
-    queries = delta.get("vllm:external_prefix_cache_queries_total")
-    hits = delta.get("vllm:external_prefix_cache_hits_total")
-    prompt = delta.get("vllm:prompt_tokens_total")
-    return {
-        "external_hit_tokens": hits,
-        "external_query_tokens": queries,
-        "host_hit_rate": hits / queries if hits is not None and queries else None,
-        "host_hits_over_prompt_tokens": hits / prompt
-        if hits is not None and prompt
-        else None,
-        "device_prefix_hit_tokens": delta.get("vllm:prefix_cache_hits_total"),
-        "kvmem_host_hit_tokens": delta.get("vllm:kvmem_host_hit_tokens_total"),
-        "preemptions": delta.get("vllm:num_preemptions_total"),
-    }
-
-
-def _median(values: list[Any]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.median(vals) if vals else None
-
-
-def summarize_probes(probes: list[dict[str, Any]], arms: list[str]) -> dict:
-    """Per arm: medians of cold and repeat TTFT, the repeat's host hit tokens,
-    and the repeat's TTFT over ``none``'s (a recompute), paired by probe."""
-    by = {(p["arm"], p["probe"]): p for p in probes if p.get("error") is None}
-    out: dict[str, Any] = {}
-    for arm in arms:
-        mine = [by[k] for k in sorted(by) if k[0] == arm]
-        ratios = []
-        for p in mine:
-            ref = by.get(("none", p["probe"]))
-            if ref and p.get("repeat_ttft_ms") and ref.get("repeat_ttft_ms"):
-                ratios.append(p["repeat_ttft_ms"] / ref["repeat_ttft_ms"])
-        same = [
-            p.get("repeat_text") == by[("none", p["probe"])].get("repeat_text")
-            for p in mine
-            if ("none", p["probe"]) in by
-        ]
-        out[arm] = {
-            "probes": len(mine),
-            "cold_ttft_ms": _median([p.get("cold_ttft_ms") for p in mine]),
-            "repeat_ttft_ms": _median([p.get("repeat_ttft_ms") for p in mine]),
-            "repeat_host_hit_tokens": [
-                p.get("repeat", {}).get("external_hit_tokens") for p in mine
-            ],
-            "repeat_device_hit_tokens": [
-                p.get("repeat", {}).get("device_prefix_hit_tokens") for p in mine
-            ],
-            "repeat_ttft_over_none": sb.spread(ratios),
-            "repeat_text_equal_to_none": f"{sum(same)}/{len(same)}",
-        }
-    return out
-
-
-def summarize_runs(
-    runs: list[dict[str, Any]], arms: list[str], tokenize: Any = None
-) -> dict[str, Any]:
-    """Per level and concurrency, per arm: medians over repeats, arm/none
-    ratios paired per repeat, greedy identity against none."""
-    ok = [r for r in runs if r.get("summary") is not None]
-    out: dict[str, Any] = {}
-    for key in dict.fromkeys((r["level"], r["concurrency"]) for r in ok):
-        mine = [r for r in ok if (r["level"], r["concurrency"]) == key]
-        by = {(r["arm"], r["repeat"]): r for r in mine}
-        cell: dict[str, Any] = {}
-        for arm in arms:
-            reps = sorted(k[1] for k in by if k[0] == arm)
-            if not reps:
-                continue
-            s: dict[str, Any] = {"repeats": len(reps)}
-            for f in sb.FIGURES:
-                s[f] = sb.spread([by[(arm, k)]["summary"][f] for k in reps])
-                ratios = [
-                    by[(arm, k)]["summary"][f] / by[("none", k)]["summary"][f]
-                    for k in reps
-                    if ("none", k) in by
-                    and by[("none", k)]["summary"][f]
-                    and by[(arm, k)]["summary"][f] is not None
-                ]
-                s[f + "_over_none"] = sb.spread(ratios)
-            s["host_hit_rate"] = sb.spread(
-                [by[(arm, k)]["hits"]["host_hit_rate"] for k in reps]
-            )
-            s["host_hits_over_prompt_tokens"] = sb.spread(
-                [by[(arm, k)]["hits"]["host_hits_over_prompt_tokens"] for k in reps]
-            )
-            ident = [
-                sb.compare_texts(
-                    by[("none", k)].get("texts") or [],
-                    by[(arm, k)].get("texts") or [],
-                    tokenize,
-                )
-                for k in reps
-                if ("none", k) in by
-            ]
-            s["greedy_vs_none"] = {
-                "matching": sum(c["matching"] for c in ident),
-                "compared": sum(c["compared"] for c in ident),
-                "first_diverging_token_min": min(
-                    (
-                        m["token"]
-                        for c in ident
-                        for m in c["mismatches"]
-                        if m["token"] is not None
-                    ),
-                    default=None,
-                ),
-            }
-            cell[arm] = s
-        floor = [
-            sb.compare_texts(
-                by[("none", 0)].get("texts") or [], by[("none", k)].get("texts") or []
-            )
-            for k in sorted(k for a, k in by if a == "none" and k > 0)
-            if ("none", 0) in by
-        ]
-        cell["none_vs_none_repeat0"] = {
-            "matching": sum(c["matching"] for c in floor),
-            "compared": sum(c["compared"] for c in floor),
-        }
-        out[f"{key[0]}@c{key[1]}"] = cell
-    return out
-
-
-def log_facts(text: str) -> dict[str, Any]:
-    facts: dict[str, Any] = {}
-    for key, pattern in LOG_FACTS.items():
-        found = pattern.findall(text)
-        facts[key] = sorted(set(found)) if found else None
-    return facts
 
 
 # -- the run (GPU) ----------------------------------------------------------------

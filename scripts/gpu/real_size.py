@@ -64,13 +64,11 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import json
-import math
 import os
 import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,32 +76,22 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import ab_offload as ab  # noqa: E402  (no vLLM or torch at import)
+import ab_figures as figures  # noqa: E402  (no vLLM or torch at import)
+import ab_offload as ab  # noqa: E402
 import serving_bench as sb  # noqa: E402
-from gpu_common import (  # noqa: E402
-    MEASURED_S,
-    SERVER_ENV,
+from gpu_common import SERVER_ENV  # noqa: E402
+from real_size_schedule import (  # noqa: E402
+    COST_MEASURED,
+    COST_S,
+    Item,
+    filler_count,
+    schedule,
+    start_cost,
 )
 
 GIB = 1 << 30
 ARMS = ("none", "noop", "tier", "simple_lazy", "offloading", "blhnc")
 STEPS = ("ttft", "profile", "throughput", "layout")
-#: What the plan's estimate uses. Measured on the H200 (2026-11-26, the
-#: tiny model): a server's start and warm-up, a client call. Assumed for the
-#: 8B shape (not measured anywhere yet): the extra start cost (dummy
-#: weights, CUDA graph capture at 7 sizes, pinning the host bytes), servers
-#: started together, prefill speed and a decode step at batch 16.
-COST_S = {
-    "server_start": MEASURED_S["server_start_eager"] + 15.0,
-    "parallel_start_extra": 10.0,
-    "stop": 5.0,
-    "client_call": MEASURED_S["ab_probe"] / 3,
-    "metrics_settle": 1.5,
-    "prefill_tokens_per_s": 20000.0,
-    "decode_step": 0.012,
-    "fixed": 20.0,
-}
-COST_MEASURED = ("server_start (its 60 s base)", "client_call")
 #: vLLM's per-step line with --enable-logging-iteration-details.
 ITERATION = re.compile(
     r"Iteration\((\d+)\): (\d+) context requests, (\d+) context tokens, "
@@ -167,168 +155,6 @@ def compilation_config(args: argparse.Namespace) -> dict[str, Any]:
         "cudagraph_mode": "FULL_DECODE_ONLY",
         "cudagraph_capture_sizes": args.cudagraph_size_list,
     }
-
-
-@dataclass
-class Item:
-    """One measuring step of the plan."""
-
-    step: str
-    arm: str
-    phase: str
-    level: str = "unique"
-    repeat: int = 0
-    length: int = 0  # ttft: prompt tokens
-    probe: int = 0
-    cold_only: bool = False  # ttft of none: a recompute either way
-
-    @property
-    def name(self) -> str:
-        if self.step == "ttft":
-            return f"ttft {self.length} #{self.probe} {self.arm}"
-        return f"{self.step} {self.level} #{self.repeat} {self.arm}"
-
-
-def items(args: argparse.Namespace) -> list[Item]:
-    """Every step of the plan in the order it runs (phases A, B, C)."""
-    steps = args.step_list
-    conn = [a for a in args.ttft_arm_list if a != "none"]
-    later = set(args.throughput_arm_list if "throughput" in steps else []) | set(
-        args.layout_arm_list if "layout" in steps else []
-    )
-    out: list[Item] = []
-    if "ttft" in steps:
-        for length in args.ttft_len_list:
-            for k in range(args.probes):
-                out += [Item("ttft", a, "A", length=length, probe=k) for a in conn]
-    profiled = set()
-    if "profile" in steps:  # A's arms whose last use this is
-        for a in args.profile_arm_list:
-            if a in conn and a not in later:
-                out.append(Item("profile", a, "A"))
-                profiled.add(a)
-        for a in args.profile_arm_list:
-            if a in later and a not in profiled:
-                out.append(Item("profile", a, "B"))
-                profiled.add(a)
-    if "throughput" in steps:
-        for rep in range(args.repeats):
-            for lv in args.level_list:
-                if lv.name == "unique" and rep == 0 and "profile" in steps:
-                    # step 2's runs; arms it did not profile run here
-                    missing = [a for a in args.throughput_arm_list if a not in profiled]
-                    out += [Item("throughput", a, "B") for a in missing]
-                    profiled.update(missing)
-                    continue
-                out += [
-                    Item("throughput", a, "B", level=lv.name, repeat=rep)
-                    for a in args.throughput_arm_list
-                ]
-    if "ttft" in steps and "none" in args.ttft_arm_list:
-        out += [
-            Item("ttft", "none", "B", length=n, cold_only=True)
-            for n in args.ttft_len_list
-        ]
-    if "profile" in steps:
-        out += [
-            Item("profile", a, "C") for a in args.profile_arm_list if a not in profiled
-        ]
-        profiled.update(args.profile_arm_list)
-    if "layout" in steps:
-        for rep in range(args.layout_repeats):
-            for a in args.layout_arm_list:
-                if rep == 0 and a in profiled:
-                    continue  # step 2's run of that arm is this one
-                out.append(Item("layout", a, "C", repeat=rep))
-    return out
-
-
-@dataclass
-class Action:
-    kind: str  # start, item, stop
-    arms: list[str] = field(default_factory=list)
-    item: Item | None = None
-    estimate_s: float = 0.0
-
-
-def _run_cost(args: argparse.Namespace, level: str) -> float:
-    lv = sb.LEVELS[level]
-    n = args.num_prompts
-    prompt = args.prefix_len + args.suffix_len
-    if level == "unique":
-        new = n * prompt
-    else:  # every prefix computed once; host hits load the rest
-        new = lv.num_prefixes(n) * args.prefix_len + n * args.suffix_len
-    waves = math.ceil(n / args.concurrency)
-    return (
-        COST_S["client_call"]
-        + COST_S["metrics_settle"]
-        + new / COST_S["prefill_tokens_per_s"]
-        + waves * args.output_len * COST_S["decode_step"]
-    )
-
-
-def _prefill_s(tokens: int) -> float:
-    """A prefill's seconds, attention's quadratic part included."""
-    return tokens / COST_S["prefill_tokens_per_s"] * (1 + tokens / 65536)
-
-
-def item_cost(args: argparse.Namespace, it: Item) -> float:
-    if it.step != "ttft":
-        return _run_cost(args, it.level)
-    if it.cold_only:
-        return COST_S["client_call"] + _prefill_s(it.length)
-    fill = filler_count(args) * args.filler_len
-    return (
-        3 * COST_S["client_call"]
-        + COST_S["metrics_settle"]
-        + 2 * _prefill_s(it.length)  # cold; the repeat at worst recomputes
-        + fill / COST_S["prefill_tokens_per_s"]
-    )
-
-
-def start_cost(n: int) -> float:
-    return COST_S["server_start"] + COST_S["parallel_start_extra"] * max(0, n - 1)
-
-
-def schedule(args: argparse.Namespace) -> list[Action]:
-    """Starts, steps and stops in order: a phase's missing servers start
-    together (at most ``--max-live`` live); a server stops after its last
-    step; with no free slot, the live server used last goes first."""
-    plan = items(args)
-    actions: list[Action] = []
-    live: list[str] = []
-
-    def next_use(arm: str, i: int) -> int:
-        return next((j for j in range(i, len(plan)) if plan[j].arm == arm), 10**9)
-
-    for i, it in enumerate(plan):
-        if it.arm not in live:
-            phase_arms = list(
-                dict.fromkeys(p.arm for p in plan[i:] if p.phase == it.phase)
-            )
-            missing = [a for a in phase_arms if a not in live]
-            free = args.max_live - len(live)
-            if free <= 0:
-                victim = max(live, key=lambda a: next_use(a, i))
-                live.remove(victim)
-                actions.append(Action("stop", [victim], estimate_s=COST_S["stop"]))
-                free = 1
-            batch = [it.arm] + [a for a in missing if a != it.arm][: free - 1]
-            actions.append(Action("start", batch, estimate_s=start_cost(len(batch))))
-            live += batch
-        actions.append(Action("item", [it.arm], it, item_cost(args, it)))
-        done = [a for a in live if next_use(a, i + 1) == 10**9]
-        for a in done:
-            live.remove(a)
-        if done:
-            actions.append(Action("stop", done, estimate_s=COST_S["stop"] * len(done)))
-    return actions
-
-
-def filler_count(args: argparse.Namespace) -> int:
-    """Filler prompts that overflow the device cache (1.25 times)."""
-    return max(2, math.ceil(1.25 * args.device_kv_tokens / args.filler_len))
 
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -471,8 +297,8 @@ def summarize_ttft(probes: list[dict[str, Any]], arms: list[str]) -> dict:
         per: dict[str, Any] = {}
         for length in sorted({p["length"] for p in ok if p["arm"] == arm}):
             mine = [p for p in ok if p["arm"] == arm and p["length"] == length]
-            cold = ab._median([p.get("cold_ttft_ms") for p in mine])
-            rep = ab._median([p.get("repeat_ttft_ms") for p in mine])
+            cold = figures.median([p.get("cold_ttft_ms") for p in mine])
+            rep = figures.median([p.get("repeat_ttft_ms") for p in mine])
             per[str(length)] = {
                 "probes": len(mine),
                 "cold_ttft_ms": cold,
@@ -509,7 +335,7 @@ def summarize_profile(runs: list[dict[str, Any]], arms: list[str]) -> dict:
         by.setdefault(r["arm"], []).append(r)
 
     def med(arm: str, key: str) -> float | None:
-        return ab._median([r["summary"].get(key) for r in by.get(arm, [])])
+        return figures.median([r["summary"].get(key) for r in by.get(arm, [])])
 
     out: dict[str, Any] = {}
     for arm in arms:
@@ -522,7 +348,7 @@ def summarize_profile(runs: list[dict[str, Any]], arms: list[str]) -> dict:
             "itl_p99_ms": med(arm, "itl_p99_ms"),
             "tpot_p50_ms": med(arm, "tpot_p50_ms"),
             "req_per_s": med(arm, "req_per_s"),
-            "decode_step_host_ms_p50": ab._median(
+            "decode_step_host_ms_p50": figures.median(
                 [i.get("decode_ms_p50") for i in its]
             ),
             "tier_step_us": [r.get("tier_step_us") for r in by[arm]],
@@ -614,7 +440,7 @@ class RealSize(ab.GpuSession):
                 infos[arm]["error"] = f"warm-up: {type(e).__name__}: {e}"
                 infos[arm]["log_tail"] = server.log_tail()
                 server.stop()
-            infos[arm]["log_facts"] = ab.log_facts(server.log_text())
+            infos[arm]["log_facts"] = figures.log_facts(server.log_text())
         self.report["servers"].update(infos)
 
     def stop(self, arms: list[str]) -> None:
@@ -623,7 +449,7 @@ class RealSize(ab.GpuSession):
             if server is not None:
                 server.stop()
                 info = self.report["servers"][arm]
-                info["log_facts"] = ab.log_facts(server.log_text())
+                info["log_facts"] = figures.log_facts(server.log_text())
 
     # steps
     def ttft(self, it: Item) -> dict[str, Any]:
@@ -665,8 +491,8 @@ class RealSize(ab.GpuSession):
         rec["client_wall_s"] = time.monotonic() - t
         delta = sb.metric_delta(before, server.settled_metrics())
         s = sb.summarize_client(result)
-        rec["hits"] = ab.hit_rate(delta)
-        rec["tier_step_us"] = ab.tier_step_us(delta)
+        rec["hits"] = figures.hit_rate(delta)
+        rec["tier_step_us"] = figures.tier_step_us(delta)
         rec["iterations"] = iterations(server.log_text()[offset:])
         rec["server_metrics_delta"] = delta
         rec["texts"] = result.get("generated_texts")
@@ -696,7 +522,7 @@ class RealSize(ab.GpuSession):
         self.report["summary"] = {
             "ttft": summarize_ttft(self.report["ttft"], arms),
             "profile": summarize_profile(self.report["runs"], arms),
-            "throughput": ab.summarize_runs(runs, arms, self.tokenize),
+            "throughput": figures.summarize_runs(runs, arms, self.tokenize),
             "layouts": {
                 arm: info.get("log_facts", {}).get("kv_cache_layout")
                 for arm, info in self.report["servers"].items()

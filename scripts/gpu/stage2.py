@@ -64,7 +64,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -76,6 +75,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stage2_scripts  # noqa: E402
 from gpu_common import MEASURED_S, SERVER_ENV  # noqa: E402
 
 REPORT = "KVMEM_STAGE2 "
@@ -587,86 +587,10 @@ def item_f(r: Runner) -> dict:
     }
 
 
-AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
-REAL_SCRIPT = Path(__file__).resolve().parent / "real_size.py"
-
-
-def _script_module(path: Path) -> Any:
-    """A script of this folder as a module (it imports no vLLM or torch)."""
-    sys.path.insert(0, str(path.parent))
-    return __import__(path.stem)
-
-
-def _ab_module() -> Any:
-    """scripts/gpu/ab_offload.py as a module."""
-    return _script_module(AB_SCRIPT)
-
-
-def _child_script(r: Runner, item: str, script: Path, args: str, cache: str) -> dict:
-    """Run one of this folder's GPU scripts in a child process with its own
-    ``--max-wall-s`` (then 120 s to stop its servers); its figures go to
-    ``$OUT/<script>_<gpu>.json``, its logs into the tarball (``<item>_<script>/``),
-    its model folders under ``.gpu-work/<cache>``."""
-    argv = shlex.split(args)
-    max_wall = _script_module(script).parse_args(argv).max_wall_s
-    name = f"{item}_{script.stem}"
-    work = r.logs / name  # server and client logs: into the tarball
-    cmd = [
-        sys.executable, str(script), "--out", str(r.out), "--work", str(work),
-        "--model-cache", str(r.work / cache),
-    ]  # fmt: skip
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            [*cmd, *argv],
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            capture_output=True,
-            text=True,
-            timeout=max_wall + 120,
-        )
-        code, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        code = "timeout"
-        text = out.decode(errors="replace") if isinstance(out, bytes) else out
-    (r.logs / f"{name}.log").write_text(text)
-    print(f"  {script.stem}: exit {code} in {time.perf_counter() - t0:.0f} s")
-    files = sorted(p.name for p in r.out.glob(f"{script.stem}_*.json"))
-    return {
-        "exit": code,
-        "argv": argv,
-        "results_files": files,  # GPU-labelled, named after the GPU
-        "last_lines": text.splitlines()[-3:],
-        "errors": [ln for ln in text.splitlines() if re.search(r"Error|error:", ln)][
-            -8:
-        ],
-    }
-
-
-def item_g(r: Runner) -> dict:
-    """Issue 30: host tier against SimpleCPUOffloadConnector (lazy_offload)
-    and, when asked, OffloadingConnector; serving_bench's prefix-reuse
-    workload on vLLM's OpenAI server (scripts/gpu/ab_offload.py)."""
-    return _child_script(r, "g", AB_SCRIPT, r.ab_args, "serving-model")
-
-
-def item_h(r: Runner) -> dict:
-    """Issue 36: the real-size run (Llama-3.1-8B shape, dummy weights):
-    TTFT of a host hit against recompute at 4k-32k tokens, the per-step
-    profile, throughput at 0% and 80% reuse, BLHNC against the default
-    (scripts/gpu/real_size.py)."""
-    return _child_script(r, "h", REAL_SCRIPT, r.real_args, "shape-models")
-
-
 def item_estimate_s(item: str, ab_args: str = "", real_args: str = "") -> float:
     """Device seconds an item takes, from the costs measured on the H200."""
-    if item == "g":
-        ab = _ab_module()
-        return float(ab.estimate_s(ab.parse_args(shlex.split(ab_args))))
-    if item == "h":
-        rs = _script_module(REAL_SCRIPT)
-        return float(rs.build_plan(rs.parse_args(shlex.split(real_args)))["estimate_s"])
+    if item in "gh":
+        return stage2_scripts.estimate_s(item, ab_args if item == "g" else real_args)
     return ITEM_ENGINES[item] * MEASURED_S["engine_start_eager"] + ITEM_EXTRA_S[item]
 
 
@@ -677,8 +601,8 @@ ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "d": item_d,
     "e": item_e,
     "f": item_f,
-    "g": item_g,
-    "h": item_h,
+    "g": stage2_scripts.item_g,
+    "h": stage2_scripts.item_h,
 }
 
 
@@ -750,17 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "items g and h: their scripts' own plans",
         }
         plan["estimate_total_s"] = sum(plan["estimate_s"].values())
-        if "g" in args.items:
-            ab = _ab_module()
-            ab_args = ab.parse_args(shlex.split(args.ab_args))
-            ab_args.model_cache = args.work / "serving-model"
-            plan["g_plan"] = ab.build_plan(ab_args, ab.model_path(ab_args))
-            plan["g_plan"]["argv"] = shlex.split(args.ab_args)
-        if "h" in args.items:
-            rs = _script_module(REAL_SCRIPT)
-            rs_args = rs.parse_args(shlex.split(args.real_args))
-            plan["h_plan"] = rs.build_plan(rs_args)
-            plan["h_plan"]["argv"] = shlex.split(args.real_args)
+        for item, item_args in (("g", args.ab_args), ("h", args.real_args)):
+            if item in args.items:
+                plan[f"{item}_plan"] = stage2_scripts.plan(item, item_args, args.work)
         (args.out / "stage2_plan.json").write_text(json.dumps(plan, indent=1) + "\n")
         print("stage 2 dry run: items", args.items, "->", args.out / "stage2_plan.json")
         return 0

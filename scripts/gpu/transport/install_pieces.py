@@ -191,8 +191,8 @@ def check(target: Path) -> dict:
                 unmet.append({"package": name, "requires": text, "found": None})
             elif not req.specifier.contains(have.version, prereleases=True):
                 unmet.append({"package": name, "requires": text, "found": have.version})
-    try:  # what the plans leave out on purpose (fetch_wheels.OPTIONAL)
-        from fetch_wheels import OPTIONAL
+    try:  # what the plans leave out on purpose (requirement_diff.OPTIONAL)
+        from requirement_diff import OPTIONAL
     except Exception:
         OPTIONAL = {}
     for u in unmet:

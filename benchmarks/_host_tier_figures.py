@@ -1,0 +1,354 @@
+"""The host-tier benchmark's figures: per run, across configurations, against
+the issue's targets, and as the table and plot it prints and writes.
+
+Pure functions of the runs' JSON records (``--replot`` reads them back from a
+results file), so the figures can be redone without an engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from _report import print_rows
+
+from vllm_kvmem.core.stats import percentile
+
+CONFIGS = ("none", "host", "example")
+BLOCK_SIZE = 128  # vLLM's CPU default, set explicitly so sizes are exact
+TARGET_ZERO_REUSE_LOSS = 0.02
+TARGET_HIT_SPEEDUP = 5.0
+
+
+# -- analysis -------------------------------------------------------------------
+
+
+def summarize_run(run: dict[str, Any], doc_tokens: int) -> dict[str, Any]:
+    """Per-run figures over the measured requests (seed and warm-up excluded)."""
+    reqs = [r for r in run["result"]["requests"] if r["kind"] in ("new", "revisit")]
+    wall = run["result"]["measured_wall_s"]
+    ttft = [r["ttft_s"] for r in reqs]
+    prompt = sum(r["prompt_tokens"] for r in reqs)
+    out_tokens = sum(len(r["token_ids"]) for r in reqs)
+    revisits = [r for r in reqs if r["kind"] == "revisit"]
+    full_prefix = doc_tokens // BLOCK_SIZE * BLOCK_SIZE
+    s: dict[str, Any] = {
+        "requests": len(reqs),
+        "revisits": len(revisits),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_new_p50_s": percentile(
+            [r["ttft_s"] for r in reqs if r["kind"] == "new"], 50
+        ),
+        "ttft_revisit_p50_s": percentile([r["ttft_s"] for r in revisits], 50),
+        "measured_wall_s": wall,
+        "requests_per_s": len(reqs) / wall if wall else None,
+        "prompt_tokens_per_s": prompt / wall if wall else None,
+        "output_tokens_per_s": out_tokens / wall if wall else None,
+        "cached_token_frac": (
+            sum(r["cached_tokens"] for r in reqs) / prompt if prompt else 0.0
+        ),
+        # A revisit whose whole document prefix came from a cache: the device
+        # had evicted it, so a connector supplied it.
+        "revisit_prefix_hits": sum(r["cached_tokens"] >= full_prefix for r in revisits),
+    }
+    if any("host_lookup_blocks" in r for r in reqs):
+        looked = sum(r.get("host_lookup_blocks", 0) for r in reqs)
+        hit = sum(r.get("host_hit_blocks", 0) for r in reqs)
+        s["host_lookup_blocks"] = looked
+        s["host_hit_blocks"] = hit
+        s["host_hit_rate"] = hit / looked if looked else 0.0
+        s["host_bytes_in_use"] = run["result"].get("host_bytes_in_use")
+    else:
+        s["host_hit_rate"] = None
+    if "example_storage_bytes" in run["result"]:
+        s["example_storage_bytes"] = run["result"]["example_storage_bytes"]
+    return s
+
+
+def paired_ratios(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Host-tier / no-tier prompt throughput per reuse level, paired by
+    repeat (the runs of one repeat ran back to back): median and spread."""
+    tps: dict[tuple[str, float, int], float] = {
+        (r["config"], r["reuse"], r["repeat"]): r["summary"]["prompt_tokens_per_s"]
+        for r in runs
+        if r.get("summary")
+    }
+    out: dict[str, Any] = {}
+    for reuse in sorted({k[1] for k in tps}):
+        ratios = [
+            tps[("host", reuse, rep)] / tps[("none", reuse, rep)]
+            for (config, level, rep) in tps
+            if config == "none" and level == reuse and ("host", reuse, rep) in tps
+        ]
+        if ratios:
+            out[f"{reuse:g}"] = {
+                "median": round(statistics.median(ratios), 4),
+                "min": round(min(ratios), 4),
+                "max": round(max(ratios), 4),
+                "pairs": len(ratios),
+            }
+    return out
+
+
+def pick_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
+    """One run per (config, reuse): the fastest of its repeats."""
+    best: dict[tuple[str, float], dict[str, Any]] = {}
+    for run in runs:
+        if run.get("summary") is None:
+            continue
+        key = (run["config"], run["reuse"])
+        tps = run["summary"]["prompt_tokens_per_s"] or 0.0
+        if key not in best or tps > (best[key]["summary"]["prompt_tokens_per_s"] or 0):
+            best[key] = run
+    return best
+
+
+def outputs_identical(
+    runs: list[dict[str, Any]], a: str, b: str
+) -> dict[str, bool | None]:
+    """Greedy token ids of every request, config ``a`` vs ``b``, per reuse."""
+    by: dict[tuple[str, float], list[list[list[int]]]] = {}
+    for run in runs:
+        if run.get("result") is None:
+            continue
+        ids = [r["token_ids"] for r in run["result"]["requests"]]
+        by.setdefault((run["config"], run["reuse"]), []).append(ids)
+    out: dict[str, bool | None] = {}
+    for reuse in sorted({r for _, r in by}):
+        xs, ys = by.get((a, reuse)), by.get((b, reuse))
+        out[f"{reuse:g}"] = all(x == y for x in xs for y in ys) if xs and ys else None
+    return out
+
+
+def hit_vs_recompute(runs: list[dict[str, Any]], doc_tokens: int) -> dict[str, Any]:
+    """TTFT of revisits (the document prefix was evicted from the device):
+    recomputed (none), served by the host tier, served by ExampleConnector."""
+    full_prefix = doc_tokens // BLOCK_SIZE * BLOCK_SIZE
+    doc_blocks = doc_tokens // BLOCK_SIZE
+    groups: dict[str, list[float]] = {
+        "recompute": [],
+        "host_hit": [],
+        "example_hit": [],
+    }
+    for run in runs:
+        if run.get("result") is None or run["reuse"] == 0:
+            continue
+        for r in run["result"]["requests"]:
+            if r["kind"] != "revisit":
+                continue
+            if run["config"] == "none":
+                groups["recompute"].append(r["ttft_s"])
+            elif run["config"] == "host" and r.get("host_hit_blocks", 0) >= doc_blocks:
+                groups["host_hit"].append(r["ttft_s"])
+            elif run["config"] == "example" and r["cached_tokens"] >= full_prefix:
+                groups["example_hit"].append(r["ttft_s"])
+    out: dict[str, Any] = {"prefix_tokens": full_prefix}
+    for name, vals in groups.items():
+        out[name] = {
+            "n": len(vals),
+            "p50_s": percentile(vals, 50),
+            "p90_s": percentile(vals, 90),
+            "mean_s": statistics.fmean(vals) if vals else None,
+        }
+    rec = out["recompute"]["p50_s"]
+    for name in ("host_hit", "example_hit"):
+        hit = out[name]["p50_s"]
+        out[f"{name}_speedup_p50"] = rec / hit if rec and hit else None
+    return out
+
+
+def _repeat_tps(runs: list[dict[str, Any]], config: str, reuse: float) -> list:
+    return [
+        r["summary"]["prompt_tokens_per_s"]
+        for r in runs
+        if r["summary"] and (r["config"], r["reuse"]) == (config, reuse)
+    ]
+
+
+def evaluate_targets(
+    best: dict[tuple[str, float], dict[str, Any]],
+    runs: list[dict[str, Any]],
+    hits: dict[str, Any],
+    identical: dict[str, bool | None],
+) -> list[dict[str, Any]]:
+    targets: list[dict[str, Any]] = []
+    none0, host0 = best.get(("none", 0.0)), best.get(("host", 0.0))
+    if none0 and host0:
+        a = none0["summary"]["prompt_tokens_per_s"]
+        b = host0["summary"]["prompt_tokens_per_s"]
+        change = b / a - 1
+        # The spread of the repeats says how far the verdict can be trusted.
+        all_a, all_b = _repeat_tps(runs, "none", 0.0), _repeat_tps(runs, "host", 0.0)
+        median_change = statistics.median(all_b) / statistics.median(all_a) - 1
+        spread = max((max(x) - min(x)) / max(x) for x in (all_a, all_b))
+        targets.append(
+            {
+                "name": "0% reuse: host-tier throughput within 2% of no tier",
+                "value": change,
+                "value_median": median_change,
+                "repeat_spread": spread,
+                "threshold": -TARGET_ZERO_REUSE_LOSS,
+                "passed": change >= -TARGET_ZERO_REUSE_LOSS,
+                "detail": f"{b:,.0f} vs {a:,.0f} prompt tokens/s ({change:+.1%}), "
+                f"fastest of {len(all_a)} repeats; medians {median_change:+.1%}; "
+                f"repeats of one configuration differ by up to {spread:.0%}",
+            }
+        )
+    speedup = hits.get("host_hit_speedup_p50")
+    if speedup is not None:
+        targets.append(
+            {
+                "name": f"host hits: TTFT >= {TARGET_HIT_SPEEDUP:g}x lower than "
+                f"recompute ({hits['prefix_tokens']}-token prefixes)",
+                "value": speedup,
+                "threshold": TARGET_HIT_SPEEDUP,
+                "passed": speedup >= TARGET_HIT_SPEEDUP,
+                "detail": f"p50 {hits['host_hit']['p50_s'] * 1e3:.1f} ms "
+                f"(n={hits['host_hit']['n']}) vs "
+                f"{hits['recompute']['p50_s'] * 1e3:.1f} ms "
+                f"(n={hits['recompute']['n']})",
+            }
+        )
+    known = [v for v in identical.values() if v is not None]
+    if known:
+        targets.append(
+            {
+                "name": "greedy outputs identical, host tier vs no tier",
+                "value": all(known),
+                "threshold": True,
+                "passed": all(known),
+                "detail": "every request of every reuse level",
+            }
+        )
+    return targets
+
+
+# -- output -----------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return f"{v * 1e3:.0f}" if v is not None else "-"
+
+
+def print_table(best: dict[tuple[str, float], dict[str, Any]]) -> None:
+    rows = []
+    for (config, reuse), run in sorted(
+        best.items(), key=lambda kv: (kv[0][1], CONFIGS.index(kv[0][0]))
+    ):
+        s = run["summary"]
+        base = best.get(("none", reuse))
+        rel = ""
+        if base and config != "none":
+            ratio = s["prompt_tokens_per_s"] / base["summary"]["prompt_tokens_per_s"]
+            rel = f"{ratio - 1:+.1%}"
+        hit = f"{s['host_hit_rate']:.0%}" if s["host_hit_rate"] is not None else "-"
+        rows.append(
+            (
+                config,
+                f"{reuse:.2f}",
+                *(_ms(s[f"ttft_{k}_s"]) for k in ("p50", "p90", "p99")),
+                _ms(s["ttft_new_p50_s"]),
+                _ms(s["ttft_revisit_p50_s"]),
+                f"{s['requests_per_s']:.2f}",
+                f"{s['prompt_tokens_per_s']:,.0f}",
+                rel,
+                hit,
+                f"{s['revisit_prefix_hits']}/{s['revisits']}",
+                f"{s['cached_token_frac']:.0%}",
+            )
+        )
+    print_rows(
+        ["config", "reuse", "TTFT p50", "p90", "p99", "new p50", "rev p50", "req/s"]
+        + ["prompt tok/s", "vs none", "host hit", "rev hits", "cached"],
+        rows,
+        notes=[
+            "TTFT in ms; throughput over the measured phase; 'rev hits' = revisits",
+            "whose whole document prefix came from a cache (device had evicted it)",
+        ],
+    )
+
+
+def print_hits(hits: dict[str, Any]) -> None:
+    print()
+    print(f"Revisits of evicted {hits['prefix_tokens']}-token prefixes (TTFT):")
+    for name in ("recompute", "host_hit", "example_hit"):
+        g = hits[name]
+        if not g["n"]:
+            print(f"  {name:<12} n=0")
+            continue
+        speed = hits.get(f"{name}_speedup_p50")
+        extra = f"  {speed:.1f}x lower than recompute" if speed else ""
+        print(
+            f"  {name:<12} n={g['n']:<3} p50 {_ms(g['p50_s']):>6} ms  "
+            f"p90 {_ms(g['p90_s']):>6} ms{extra}"
+        )
+
+
+def plot(
+    best: dict[tuple[str, float], dict[str, Any]],
+    hits: dict[str, Any],
+    path: Path,
+    title: str,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"none": "tab:gray", "host": "tab:blue", "example": "tab:orange"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for config in CONFIGS:
+        pts = sorted((r, run["summary"]) for (c, r), run in best.items() if c == config)
+        if not pts:
+            continue
+        xs = [100 * r for r, _ in pts]
+        axes[0].plot(
+            xs,
+            [s["prompt_tokens_per_s"] for _, s in pts],
+            marker="o",
+            color=colors[config],
+            label=config,
+        )
+        p50 = [1e3 * s["ttft_p50_s"] for _, s in pts]
+        p90 = [1e3 * s["ttft_p90_s"] for _, s in pts]
+        axes[1].plot(xs, p50, marker="o", color=colors[config], label=f"{config} p50")
+        axes[1].plot(
+            xs, p90, linestyle="--", color=colors[config], label=f"{config} p90"
+        )
+    axes[0].set_title("throughput vs reuse")
+    axes[0].set_ylabel("prompt tokens / s")
+    axes[1].set_title("TTFT vs reuse (all measured requests)")
+    axes[1].set_ylabel("ms")
+    axes[1].set_yscale("log")
+    for ax in axes[:2]:
+        ax.set_xlabel("reuse (% of requests revisiting an evicted document)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylim(bottom=0)
+
+    names = [n for n in ("recompute", "host_hit", "example_hit") if hits[n]["n"]]
+    ax = axes[2]
+    p50 = [1e3 * hits[n]["p50_s"] for n in names]
+    p90 = [1e3 * hits[n]["p90_s"] for n in names]
+    bar_colors = [
+        {"recompute": "tab:gray", "host_hit": "tab:blue", "example_hit": "tab:orange"}[
+            n
+        ]
+        for n in names
+    ]
+    labels = [f"{n}\np50 {v:.0f} ms (n={hits[n]['n']})" for n, v in zip(names, p50)]
+    ax.bar(labels, p50, color=bar_colors)
+    ax.scatter(labels, p90, color="black", marker="_", s=400, label="p90")
+    if names:
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_title(f"revisit of an evicted {hits['prefix_tokens']}-token prefix")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

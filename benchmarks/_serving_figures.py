@@ -1,0 +1,311 @@
+"""The serving benchmark's figures: per reuse level, tier against none, the
+issue's targets, greedy identity, and the table and plot it prints and
+writes.
+
+Pure functions of the runs' records (vLLM's client JSON summarised), so the
+tests check them on synthetic runs and ``scripts/gpu/ab_figures.py`` reuses
+them for its arms.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from _report import print_rows
+
+CONFIGS = ("none", "tier")
+TARGET_ZERO_REUSE_RATIO = 0.98  # throughput tier/none at 0% reuse
+TARGET_REUSE_RATIO = 1.0  # throughput tier/none at every reuse level > 0
+TARGET_P99_ITL_RATIO = 1.2  # p99 ITL tier/none, every level
+# Figures summarised per level and compared tier/none.
+FIGURES = (
+    "req_per_s",
+    "out_tok_per_s",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+)
+
+
+# -- pure helpers (unit-tested) -------------------------------------------------
+
+
+def first_divergence(a: str, b: str) -> int | None:
+    """Index of the first differing character; None when equal."""
+    if a == b:
+        return None
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def compare_texts(
+    a: list[str | None], b: list[str | None], tokenize: Any = None
+) -> dict[str, Any]:
+    """Per-prompt comparison of two runs' generated texts (same prompt order).
+
+    ``tokenize(text) -> list`` turns the common prefix of a mismatch into its
+    token count, i.e. the first diverging token position (approximate where
+    re-tokenising text does not give back the generated ids)."""
+    if len(a) != len(b):
+        return {"compared": 0, "matching": 0, "mismatches": [], "error": "lengths"}
+    mismatches = []
+    matching = 0
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is None or y is None:
+            mismatches.append({"prompt": i, "char": None, "token": None})
+            continue
+        pos = first_divergence(x, y)
+        if pos is None:
+            matching += 1
+            continue
+        tok = len(tokenize(x[:pos])) if tokenize is not None else None
+        mismatches.append({"prompt": i, "char": pos, "token": tok})
+    return {"compared": len(a), "matching": matching, "mismatches": mismatches}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """Median and min-max of the repeats (None when there are none)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None, "n": 0, "values": []}
+    return {
+        "median": statistics.median(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "n": len(vals),
+        "values": vals,
+    }
+
+
+def run_ok(run: dict[str, Any]) -> bool:
+    return run.get("summary") is not None
+
+
+def summarize_level(runs: list[dict[str, Any]], level: str) -> dict[str, Any]:
+    """Median and spread per config, and tier/none ratios paired by repeat."""
+    mine = [r for r in runs if r["level"] == level and run_ok(r)]
+    by: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in CONFIGS}
+    for r in mine:
+        by.setdefault(r["config"], {})[r["repeat"]] = r["summary"]
+    out: dict[str, Any] = {"level": level, "configs": {}, "ratios": {}}
+    for config, reps in by.items():
+        if not reps:
+            continue
+        s = {f: spread([reps[k][f] for k in sorted(reps)]) for f in FIGURES}
+        s["host_hit_tokens"] = spread(
+            [reps[k].get("host_hit_tokens") for k in sorted(reps)]
+        )
+        out["configs"][config] = s
+    paired = sorted(set(by.get("none", {})) & set(by.get("tier", {})))
+    for f in FIGURES:
+        ratios = []
+        for k in paired:
+            a, b = by["none"][k][f], by["tier"][k][f]
+            if a and b is not None:
+                ratios.append(b / a)
+        out["ratios"][f] = spread(ratios)
+    out["paired_repeats"] = len(paired)
+    return out
+
+
+def evaluate_targets(
+    levels: list[dict[str, Any]], reuse_of: dict[str, float]
+) -> list[dict[str, Any]]:
+    """The issue's PASS/FAIL lines from the per-level summaries."""
+    targets = []
+    for lv in levels:
+        name, reuse = lv["level"], reuse_of[lv["level"]]
+        tp = lv["ratios"]["req_per_s"]
+        if tp["median"] is not None:
+            need = TARGET_ZERO_REUSE_RATIO if reuse == 0 else TARGET_REUSE_RATIO
+            targets.append(
+                {
+                    "name": f"{name} ({reuse:.0%} reuse): throughput tier/none "
+                    f">= {need:.2f}",
+                    "level": name,
+                    "value": tp["median"],
+                    "threshold": need,
+                    "passed": tp["median"] >= need,
+                    "detail": f"median of {tp['n']} paired repeats {tp['median']:.3f} "
+                    f"(spread {tp['min']:.3f}-{tp['max']:.3f})",
+                }
+            )
+        itl = lv["ratios"]["itl_p99_ms"]
+        if itl["median"] is not None:
+            targets.append(
+                {
+                    "name": f"{name} ({reuse:.0%} reuse): p99 ITL tier/none "
+                    f"<= {TARGET_P99_ITL_RATIO:.1f}",
+                    "level": name,
+                    "value": itl["median"],
+                    "threshold": TARGET_P99_ITL_RATIO,
+                    "passed": itl["median"] <= TARGET_P99_ITL_RATIO,
+                    "detail": f"median of {itl['n']} paired repeats "
+                    f"{itl['median']:.3f} (spread {itl['min']:.3f}-{itl['max']:.3f})",
+                }
+            )
+    return targets
+
+
+def correctness(runs: list[dict[str, Any]], tokenize: Any = None) -> dict[str, Any]:
+    """Texts per prompt: tier r vs none r, none r vs none 0, per level."""
+    out: dict[str, Any] = {}
+    for level in dict.fromkeys(r["level"] for r in runs):
+        texts = {
+            (r["config"], r["repeat"]): r["texts"]
+            for r in runs
+            if r["level"] == level and run_ok(r) and r.get("texts") is not None
+        }
+        res: dict[str, Any] = {"tier_vs_none": [], "none_vs_none": []}
+        for (config, rep), t in sorted(texts.items()):
+            if config == "tier" and ("none", rep) in texts:
+                c = compare_texts(texts[("none", rep)], t, tokenize)
+                res["tier_vs_none"].append({"repeat": rep, **c})
+            if config == "none" and rep > 0 and ("none", 0) in texts:
+                c = compare_texts(texts[("none", 0)], t, tokenize)
+                res["none_vs_none"].append({"repeat": rep, **c})
+        for key in ("tier_vs_none", "none_vs_none"):
+            cmp = res[key]
+            res[f"{key}_matching"] = sum(c["matching"] for c in cmp)
+            res[f"{key}_compared"] = sum(c["compared"] for c in cmp)
+            toks = [
+                m["token"]
+                for c in cmp
+                for m in c["mismatches"]
+                if m["token"] is not None
+            ]
+            res[f"{key}_first_diverging_token_min"] = min(toks) if toks else None
+        out[level] = res
+    return out
+
+
+# -- output -------------------------------------------------------------------------
+
+
+def _fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def _cell(s: dict[str, Any], nd: int = 1) -> str:
+    if s["median"] is None:
+        return "-"
+    return f"{_fmt(s['median'], nd)} [{_fmt(s['min'], nd)}-{_fmt(s['max'], nd)}]"
+
+
+TABLE_COLS = (
+    ("req_per_s", "req/s", 2),
+    ("out_tok_per_s", "out tok/s", 0),
+    ("itl_p50_ms", "ITL p50 ms", 1),
+    ("itl_p99_ms", "ITL p99 ms", 1),
+    ("ttft_p50_ms", "TTFT p50 ms", 0),
+    ("ttft_p99_ms", "TTFT p99 ms", 0),
+)
+
+
+def print_table(levels: list[dict[str, Any]], reuse_of: dict[str, float]) -> None:
+    rows = []
+    for lv in levels:
+        label = f"{lv['level']} ({reuse_of[lv['level']]:.0%})"
+        for config in CONFIGS:
+            s = lv["configs"].get(config)
+            if s is not None:
+                cells = [_cell(s[f], nd) for f, _, nd in TABLE_COLS]
+                hits = _fmt(s["host_hit_tokens"]["median"], 0)
+                rows.append((label, config, *cells, hits))
+        cells = [_cell(lv["ratios"][f], 3) for f, _, _ in TABLE_COLS]
+        rows.append((label, "ratio", *cells, ""))
+    print_rows(
+        ["level", "config", *(title for _, title, _ in TABLE_COLS), "host hit tok"],
+        rows,
+        notes=[
+            "median [min-max] over repeats; ratio rows: tier/none paired per repeat"
+        ],
+        left=2,
+    )
+
+
+def print_correctness(corr: dict[str, Any]) -> None:
+    print()
+    print("greedy outputs per prompt (matching / compared):")
+    for level, c in corr.items():
+        line = f"  {level:<8}"
+        for key, label in (
+            ("tier_vs_none", "tier vs none"),
+            ("none_vs_none", "none vs none"),
+        ):
+            first = c[f"{key}_first_diverging_token_min"]
+            extra = f", first diverging token >= {first}" if first is not None else ""
+            line += f"  {label}: {c[f'{key}_matching']}/{c[f'{key}_compared']}{extra}"
+        print(line)
+
+
+def plot(
+    levels: list[dict[str, Any]], reuse_of: dict[str, float], path: Path, title: str
+):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [lv["level"] for lv in levels]
+    labels = [f"{n}\n{reuse_of[n]:.0%} reuse" for n in names]
+    xs = list(range(len(names)))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    panels = (
+        (axes[0], "req_per_s", "throughput tier / none (req/s)"),
+        (axes[1], "itl_p99_ms", "p99 ITL tier / none"),
+    )
+    for ax, fig_key, ylabel in panels:
+        med, lo, hi = [], [], []
+        for lv in levels:
+            s = lv["ratios"][fig_key]
+            m = s["median"] if s["median"] is not None else float("nan")
+            med.append(m)
+            lo.append(m - s["min"] if s["min"] is not None else 0)
+            hi.append(s["max"] - m if s["max"] is not None else 0)
+        ax.errorbar(
+            xs,
+            med,
+            yerr=[lo, hi],
+            fmt="o",
+            capsize=6,
+            color="tab:blue",
+            label="median, min-max of repeats",
+        )
+        for x, lv in zip(xs, levels):
+            vals = lv["ratios"][fig_key]["values"]
+            ax.scatter([x] * len(vals), vals, color="tab:blue", alpha=0.3, s=12)
+        ax.axhline(1.0, color="gray", lw=1)
+        if fig_key == "req_per_s":
+            zero = [x for x, n in zip(xs, names) if reuse_of[n] == 0]
+            rest = [x for x, n in zip(xs, names) if reuse_of[n] > 0]
+            for where, target, label in (
+                (zero, TARGET_ZERO_REUSE_RATIO, "target"),
+                (rest, TARGET_REUSE_RATIO, None),
+            ):
+                if where:
+                    ax.hlines(
+                        target,
+                        min(where) - 0.3,
+                        max(where) + 0.3,
+                        colors="tab:red",
+                        linestyles="--",
+                        label=label,
+                    )
+        else:
+            ax.axhline(TARGET_P99_ITL_RATIO, color="tab:red", ls="--", label="target")
+        ax.set_xticks(xs, labels)
+        ax.set_xlim(-0.5, len(xs) - 0.5)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
