@@ -112,8 +112,6 @@ from _host_tier_figures import (  # noqa: E402
 from _host_tier_workload import (  # noqa: E402
     PromptBuilder,
     build_schedule,
-    document_text,  # noqa: F401  (the tests read it here)
-    question_text,  # noqa: F401
 )
 from _model import ModelShape, PublishedShape  # noqa: E402
 from _report import finish, print_targets, provenance, versions, write_json  # noqa: E402

@@ -127,10 +127,8 @@ from _report import finish, print_targets, provenance, versions, write_json  # n
 from _server import ApiServer, http, metric_delta, parse_metrics  # noqa: E402, F401
 from _serving_figures import (  # noqa: E402
     CONFIGS,
-    compare_texts,  # noqa: F401  (the tests read it here)
     correctness,
     evaluate_targets,
-    first_divergence,  # noqa: F401
     plot,
     print_correctness,
     print_table,

@@ -110,12 +110,9 @@ from _stall_figures import (  # noqa: E402
     DEVICE_CONFIG,
     aggregate,
     evaluate_targets,
-    gaps,  # noqa: F401  (the tests read it here)
     plot,
     print_table,
     summarize_run,
-    token_arrivals,  # noqa: F401
-    window_gaps,  # noqa: F401
 )
 from tqdm import tqdm  # noqa: E402
 

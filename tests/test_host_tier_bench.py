@@ -19,6 +19,12 @@ def bench():
     yield from import_script(BENCH)
 
 
+@pytest.fixture(scope="module")
+def workload(bench):
+    """The module beside the script that holds what these tests read."""
+    yield from import_script(BENCH.parent / "_host_tier_workload.py")
+
+
 def test_schedule_revisits_evicted_documents(bench):
     """Reuse r: floor(r * n) revisits, each to the least recently used
     document, which at least ``pool - 1`` other documents have followed."""
@@ -42,11 +48,11 @@ def test_schedule_revisits_evicted_documents(bench):
             seen.append(op["doc"])
 
 
-def test_documents_are_distinct_and_deterministic(bench):
-    a, b = bench.document_text(3, 50), bench.document_text(4, 50)
-    assert a == bench.document_text(3, 50) and a != b
+def test_documents_are_distinct_and_deterministic(workload):
+    a, b = workload.document_text(3, 50), workload.document_text(4, 50)
+    assert a == workload.document_text(3, 50) and a != b
     assert a.split()[:2] != b.split()[:2]  # they differ in the first block
-    assert bench.question_text(3, 1) != bench.question_text(3, 2)
+    assert workload.question_text(3, 1) != workload.question_text(3, 2)
 
 
 @pytest.mark.engine

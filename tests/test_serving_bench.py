@@ -20,6 +20,12 @@ def bench():
     yield from import_script(BENCH)
 
 
+@pytest.fixture(scope="module")
+def figures(bench):
+    """The module beside the script that holds what these tests read."""
+    yield from import_script(BENCH.parent / "_serving_figures.py")
+
+
 METRICS_PAGE = """\
 # HELP vllm:kvmem_host_hit_tokens_total Prompt tokens found in the host KV tier.
 # TYPE vllm:kvmem_host_hit_tokens_total counter
@@ -83,11 +89,11 @@ def test_levels_reuse_fraction(bench):
     assert levels["high"].reuse(96) == pytest.approx(5 / 6)
 
 
-def test_first_divergence_and_compare(bench):
-    assert bench.first_divergence("abc", "abc") is None
-    assert bench.first_divergence("abc", "abd") == 2
-    assert bench.first_divergence("ab", "abc") == 2
-    res = bench.compare_texts(
+def test_first_divergence_and_compare(figures):
+    assert figures.first_divergence("abc", "abc") is None
+    assert figures.first_divergence("abc", "abd") == 2
+    assert figures.first_divergence("ab", "abc") == 2
+    res = figures.compare_texts(
         ["same", "one two three", None], ["same", "one two four", "x"], str.split
     )
     assert res["compared"] == 3 and res["matching"] == 1

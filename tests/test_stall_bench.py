@@ -17,6 +17,12 @@ def bench():
     yield from import_script(BENCH)
 
 
+@pytest.fixture(scope="module")
+def figures(bench):
+    """The module beside the script that holds what these tests read."""
+    yield from import_script(BENCH.parent / "_stall_figures.py")
+
+
 def test_model_shapes_store_128_kib_per_token(bench):
     for shape in bench.SHAPES.values():
         assert shape.kv_bytes_per_token() == 128 * 1024
@@ -35,15 +41,15 @@ def test_prompts_exact_distinct_and_b_extends_d1(bench):
     assert bench.build_prompts(args) == p
 
 
-def test_gaps_and_window(bench):
+def test_gaps_and_window(figures):
     chunks = [[1.0, 1], [1.01, 1], [1.02, 2], [1.5, 1], [1.51, 1]]
-    arr = bench.token_arrivals(chunks)
+    arr = figures.token_arrivals(chunks)
     assert arr == [1.0, 1.01, 1.02, 1.02, 1.5, 1.51]
-    spans = bench.gaps(arr)
+    spans = figures.gaps(arr)
     assert len(spans) == 5 and spans[2] == (1.02, 1.02)
     # B in flight 1.1..1.45: only the gap 1.02 -> 1.5 overlaps it
-    assert bench.window_gaps(spans, 1.1, 1.45) == [(1.02, 1.5)]
-    assert bench.window_gaps(spans, 2.0, 3.0) == []
+    assert figures.window_gaps(spans, 1.1, 1.45) == [(1.02, 1.5)]
+    assert figures.window_gaps(spans, 2.0, 3.0) == []
 
 
 def _result(gap_ms: list[float], b_send: float, b_end: float, cached: int):
