@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from vllm_kvmem.core import kv_arith
@@ -60,6 +62,25 @@ def test_min_and_max_budget_are_tight():
     assert any(
         s.share_bytes > m for s, m in zip(kv_arith.split_budget(hi + 1, bpb), limits)
     )
+
+
+def test_split_blocks_are_the_proportional_shares_blocks():
+    # Whole-block shares ((T // S) * b) hold exactly the blocks that the
+    # proportional shares (T * b // S) held, so no block count moved.
+    rng = random.Random(37)
+    for _ in range(2000):
+        bpb = [rng.randint(1, 1 << 20) for _ in range(rng.randint(1, 5))]
+        budget = rng.randint(1, 1 << 36)
+        proportional = [budget * b // sum(bpb) // b for b in bpb]
+        shares = kv_arith.split_kv_budget(budget, bpb)
+        assert [s // b for s, b in zip(shares, bpb)] == proportional
+
+
+def test_layer_bytes_of_the_seed_model():
+    # Qwen3-32B with an fp8 KV cache: 8 KV heads of 128 (K and V), 1 byte.
+    per_token = kv_arith.layer_bytes_per_token(8, 128, 128, 1)
+    assert per_token == 2048
+    assert kv_arith.layer_page_bytes(per_token, 16) == 16 * 2048
 
 
 @pytest.mark.parametrize("bad", [0, -5])
