@@ -4,7 +4,8 @@ The stage of a rank, the KV cache groups vLLM's planner forms, bytes per
 block, capacity in tokens, the bytes one max_model_len sequence needs, the
 bytes of one host slot, a device's free memory and vLLM's multimodal
 reservation are all vLLM's numbers; the rest of vllm-kvmem asks here instead
-of re-deriving them, so a change in vLLM shows up in one module.
+of re-deriving them, so a change in vLLM shows up in one module. The engine's
+budget asks once for all it plans from (:func:`kv_figures`).
 
 The vLLM functions this module calls (several are private) are listed in
 :data:`VLLM_HELPERS` and only reached through it: each is checked against
