@@ -190,7 +190,6 @@ import vllm_kvmem.core
 core = sorted(m.name for m in pkgutil.walk_packages(
     vllm_kvmem.core.__path__, "vllm_kvmem.core."))
 core += [f"vllm_kvmem.host_tier.{{m}}" for m in {HOST_TIER_VLLM_FREE!r}]
-core += ["vllm_kvmem.budget.pp_split", "vllm_kvmem.budget.token_blocks"]
 for name in core:
     importlib.import_module(name)
 try:

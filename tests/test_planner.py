@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from vllm_kvmem import planner
-from vllm_kvmem.budget.token_blocks import blocks_for_tokens
 from vllm_kvmem.core import units
+from vllm_kvmem.core.kv_arith import blocks_for_tokens
 from vllm_kvmem.core.units import GiB, KiB, MiB, cdiv
 from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner import partition

@@ -17,6 +17,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 ADDITIONAL_CONFIG_KEY = "kvmem"
 
+#: The engine core's budget modes (:meth:`KVMemConfig.budget_mode`).
+BudgetMode = Literal["tokens", "split"]
+
 
 def parse_size(value: Any) -> Any:
     """Accept vLLM's human-readable integers ("400k", "5G") where ints go,
@@ -98,6 +101,23 @@ class KVMemConfig(BaseModel):
     it is loaded back; a mismatch turns the block into a miss that vLLM
     recomputes, and is logged. Costs a synchronous pass over every copied
     byte."""
+
+    def budget_mode(self, vllm_config: Any) -> BudgetMode | None:
+        """Which vllm-kvmem budget sizes the KV cache of ``vllm_config``:
+        ``tokens`` (``--kv-cache-tokens``), ``split``
+        (``--enable-pp-prop-kv-cache`` with a byte budget and more than one
+        pipeline stage), or None: vLLM's own sizing. In either mode the
+        workers report their device limit and the engine core plans every
+        rank's blocks."""
+        if self.kv_cache_tokens is not None:
+            return "tokens"
+        if (
+            self.enable_pp_prop_kv_cache
+            and vllm_config.cache_config.kv_cache_memory_bytes is not None
+            and vllm_config.parallel_config.pipeline_parallel_size > 1
+        ):
+            return "split"
+        return None
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -4,7 +4,8 @@ The stage of a rank, the KV cache groups vLLM's planner forms, bytes per
 block, capacity in tokens, the bytes one max_model_len sequence needs, the
 bytes of one host slot, a device's free memory and vLLM's multimodal
 reservation are all vLLM's numbers; the rest of vllm-kvmem asks here instead
-of re-deriving them, so a change in vLLM shows up in one module.
+of re-deriving them, so a change in vLLM shows up in one module. The engine's
+budget asks once for all it plans from (:func:`kv_figures`).
 
 The vLLM functions this module calls (several are private) are listed in
 :data:`VLLM_HELPERS` and only reached through it: each is checked against
@@ -307,6 +308,54 @@ def capacity(vllm_config: Any, kv_cache_config: Any) -> tuple[int, float]:
 def tokens_in(vllm_config: Any, groups: Sequence[Any], blocks: int) -> int:
     """Tokens ``blocks`` blocks of ``groups`` hold, as vLLM counts capacity."""
     return capacity(vllm_config, config_for_blocks(vllm_config, groups, blocks))[0]
+
+
+@dataclass(frozen=True)
+class KVFigures:
+    """vLLM's figures of every rank's KV cache that the engine's budget plans
+    from, read in one call (:func:`kv_figures`); lists are by rank."""
+
+    stage: list[int]
+    """Each rank's pipeline stage."""
+    bytes_per_block: list[int]
+    """Device bytes one block takes on each rank; 0 on a rank without KV
+    cache layers."""
+    sequence_bytes: list[int] | None
+    """Bytes one max_model_len sequence needs on each rank (no null block; 0
+    without KV cache layers); None where vLLM fits max_model_len to the cache
+    (``--max-model-len auto``)."""
+    tokens_in: Callable[[int, int], int]
+    """``(rank, blocks)``: tokens that many blocks hold on that rank, as vLLM
+    counts capacity."""
+
+    @property
+    def ranks_with_kv(self) -> list[int]:
+        return [r for r, b in enumerate(self.bytes_per_block) if b]
+
+    @property
+    def first_rank_of_each_stage(self) -> list[int]:
+        """One rank per stage (one tensor-parallel shard of the pipeline)."""
+        return first_rank_of_each_stage(self.stage)
+
+
+def kv_figures(vllm_config: Any, kv_cache_specs: Sequence[dict[str, Any]]) -> KVFigures:
+    """Every rank's :class:`KVFigures` from its KV specs, with the groups
+    vLLM's planner will form (:func:`worker_groups`)."""
+    groups = worker_groups(vllm_config, kv_cache_specs)
+    bpb = [
+        bytes_per_block(vllm_config, g) if specs else 0
+        for g, specs in zip(groups, kv_cache_specs)
+    ]
+    sequence = None
+    if vllm_config.model_config.original_max_model_len != -1:
+        sequence = [
+            sequence_bytes(vllm_config, g) if b else 0 for g, b in zip(groups, bpb)
+        ]
+
+    def rank_tokens_in(rank: int, blocks: int) -> int:
+        return tokens_in(vllm_config, groups[rank], blocks)
+
+    return KVFigures(stage_of_each_rank(kv_cache_specs), bpb, sequence, rank_tokens_in)
 
 
 def reserved_bytes(kv_cache_config: Any) -> int:

@@ -11,7 +11,9 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_kvmem import vllm_adapter as va
-from vllm_kvmem.budget import pp_prop
+from vllm_kvmem.budget.pp_prop import BUDGET_FLAG, FLAG
+from vllm_kvmem.budget.runtime import BudgetPlan
+from vllm_kvmem.core import kv_arith
 from vllm_kvmem.core.table import BAR, render_table
 from vllm_kvmem.core.units import gib
 
@@ -39,18 +41,15 @@ def report_rows(vllm_config: Any, configs: Sequence[Any]) -> list[dict[str, Any]
 
 
 def log_startup_report(
-    vllm_config: Any,
-    configs: Sequence[Any],
-    title: str,
-    shares: Sequence[int] | None = None,
+    vllm_config: Any, configs: Sequence[Any], plan: BudgetPlan
 ) -> None:
-    """Log the table; ``title`` says which budget sized the cache, ``shares``
-    are the per-rank bytes of a pipeline-wide budget."""
+    """Log the table for the configs vLLM built from ``plan``; its title says
+    which budget sized the cache, and a split plan adds each rank's share."""
     rows = report_rows(vllm_config, configs)
     extra: dict[str, list[str]] = {}
     trailer: list[str] = []
-    if shares is not None:
-        extra, trailer = pp_prop.comparison_columns(vllm_config, configs, shares)
+    if plan.mode == "split" and plan.memory is not None:
+        extra, trailer = comparison_columns(vllm_config, configs, plan.memory)
     max_len = vllm_config.model_config.max_model_len
     headers = ["rank", "stage", "layers", "KV GiB", "blocks", "tokens", "conc"]
     widths = [4, 5, 6, 8, 9, 11, 8]
@@ -77,5 +76,49 @@ def log_startup_report(
         sep=" ",
         indent="  ",
     )
+    title = plan.title or _vllm_sized_title(vllm_config)
     head = f"KV cache per rank ({title}; max_model_len {max_len:,}):"
     logger.info("\n".join([head, *table, *trailer]))
+
+
+def _vllm_sized_title(vllm_config: Any) -> str:
+    budget = vllm_config.cache_config.kv_cache_memory_bytes
+    if budget is None:
+        return "profiled memory"
+    return f"{BUDGET_FLAG} {gib(budget)} GiB per rank"
+
+
+def comparison_columns(
+    vllm_config: Any, configs: Sequence[Any], shares: Sequence[int]
+) -> tuple[dict[str, list[str]], list[str]]:
+    """Startup-report columns: each rank's share, and what the same budget gives
+    without the flag (every rank handed the whole budget, then cut by vLLM to
+    the smallest block count, PR #25164)."""
+    budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
+    groups = [c.kv_cache_groups for c in configs]
+    bpb = [va.bytes_per_block(vllm_config, g) for g in groups]
+    base_blocks = kv_arith.uniform_blocks(budget, bpb)
+    cols: dict[str, list[str]] = {
+        "share GiB": [],
+        "w/o flag: KV GiB": [],
+        "tokens": [],
+        "conc": [],
+    }
+    base_bytes = []
+    for g, b, share in zip(groups, bpb, shares):
+        base = va.config_for_blocks(vllm_config, g, base_blocks)
+        tokens, conc = va.capacity(vllm_config, base)
+        base_bytes.append(base.num_blocks * b)
+        cols["share GiB"].append(gib(share, 3))
+        cols["w/o flag: KV GiB"].append(gib(base_bytes[-1], 3))
+        cols["tokens"].append(f"{tokens:,}")
+        cols["conc"].append(f"{conc:.2f}x")
+    firsts = va.first_rank_of_each_stage(va.stages_of_configs(configs))  # one TP shard
+    total = sum(configs[i].num_blocks * bpb[i] for i in firsts)
+    base_total = sum(base_bytes[i] for i in firsts)
+    trailer = [
+        f"  total KV per TP shard: {gib(total)} GiB of the {gib(budget)} GiB "
+        f"pipeline-wide budget (without {FLAG}: {gib(base_total)} GiB, every "
+        f"rank handed {gib(budget)} GiB)"
+    ]
+    return cols, trailer

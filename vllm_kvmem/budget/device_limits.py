@@ -179,9 +179,3 @@ def collect_from_workers(executor: Any) -> None:
             for r, d in enumerate(limits)
         ),
     )
-
-
-def limits_for(vllm_config: Any, available_memory: list[int]) -> list[DeviceLimit]:
-    """Each worker's limit with its components, as the engine core collected
-    them (:meth:`BudgetRuntime.limits_for`)."""
-    return BudgetRuntime.from_vllm_config(vllm_config).limits_for(available_memory)

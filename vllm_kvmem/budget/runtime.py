@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm_kvmem.config import BudgetMode
 from vllm_kvmem.core.units import mib
 
 #: Where the record lives in ``VllmConfig.additional_config``.
@@ -69,14 +70,22 @@ class DeviceLimit:
 class BudgetPlan:
     """What the engine's budget mode decides before vLLM builds the configs."""
 
-    title: str
-    """The startup table's title: which budget sized the cache."""
+    title: str | None = None
+    """The startup table's title: which budget sized the cache; None where
+    vLLM sized it (the table says how)."""
+    mode: BudgetMode | None = None
+    """The budget mode that planned (``KVMemConfig.budget_mode``); None: vLLM
+    sizes the cache, or the split does not apply."""
     blocks: int | None = None
     """The block count every rank gets; None: vLLM's own count."""
     memory: list[int] | None = None
-    """Per-rank bytes for vLLM's planner (``blocks`` of each rank's groups)."""
-    shares: list[int] | None = None
-    """Per-rank shares of a pipeline-wide budget (the table's extra columns)."""
+    """Per-rank bytes for vLLM's planner (``blocks`` of each rank's groups);
+    with the split, each rank's share of the pipeline-wide budget."""
+
+    def bytes_for_vllm(self, limits: list[int]) -> list[int]:
+        """What vLLM's planner plans each rank from: the planned bytes, or
+        each worker's device limit where vLLM's own figures stand."""
+        return limits if self.memory is None else self.memory
 
 
 @dataclass(frozen=True)

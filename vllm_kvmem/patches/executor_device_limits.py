@@ -7,7 +7,9 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def determine_available_memory(self):
-        limits = original(self)
+        # Each worker's figure: its device limit while a budget mode sizes
+        # the cache (the worker patch), else vLLM's own.
+        reported = original(self)
         from vllm_kvmem.budget.kv_budget import uses_device_limits
 
         if uses_device_limits(self.vllm_config):
@@ -21,11 +23,11 @@ def _make(original):
 
                 kv_builder.check_selected(self.vllm_config)
                 specs = self.get_kv_cache_specs()
-                planned = stash_plan(self.vllm_config, specs, limits)
+                plan = stash_plan(self.vllm_config, specs, reported)
                 # vLLM's planner, its auto-fit of --max-model-len auto and its
                 # memory checks then work from each rank's planned bytes.
-                return planned or limits
-        return limits
+                return plan.bytes_for_vllm(reported)
+        return reported
 
     return determine_available_memory
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
 
-from vllm_kvmem.budget import pp_split
-from vllm_kvmem.budget.token_blocks import blocks_for_tokens
+from vllm_kvmem.core import kv_arith
 from vllm_kvmem.core.units import cdiv
 
 # ----------------------------------------------------------------- dtypes
@@ -136,15 +135,16 @@ class LayerKV:
         """K and V bytes one token costs in this layer on one TP rank."""
         if self.state_bytes is not None:
             return self.kv_heads_per_rank(tp) * self.state_bytes
-        return (
-            self.kv_heads_per_rank(tp)
-            * (self.head_size + self.head_size_v)
-            * self.dtype_bytes
+        return kv_arith.layer_bytes_per_token(
+            self.kv_heads_per_rank(tp),
+            self.head_size,
+            self.head_size_v,
+            self.dtype_bytes,
         )
 
     def page_bytes(self, block_size: int, tp: int = 1) -> int:
         """One block of this layer (``AttentionSpec.page_size_bytes``)."""
-        return self.bytes_per_token(tp) * block_size
+        return kv_arith.layer_page_bytes(self.bytes_per_token(tp), block_size)
 
     def blocks_per_request(
         self, *, block_size: int, max_model_len: int, max_in_flight_tokens: int
@@ -503,7 +503,7 @@ def min_budget(
     """Least ``--kv-cache-memory-bytes`` that holds one request plus the null block."""
     need = min_blocks(blocks_per_request)
     if proportional:
-        return pp_split.min_budget_for(
+        return kv_arith.min_budget_for(
             [need * b for b in bytes_per_block], bytes_per_block
         )
     return need * max(bytes_per_block)
@@ -525,7 +525,8 @@ def capacity_for_budget(
     Without ``--enable-pp-prop-kv-cache`` every worker is handed the whole
     budget and vLLM cuts every stage to the smallest block count
     (``get_kv_cache_configs``). With it, the budget is pipeline-wide and split
-    by bytes per block (``pp_split``), so every stage gets the same count.
+    by bytes per block (``kv_arith.split_budget``), so every stage gets the
+    same count.
     """
     if budget_bytes <= 0:
         raise ValueError(
@@ -533,7 +534,7 @@ def capacity_for_budget(
         )
     if proportional:
         budgets = [
-            s.share_bytes for s in pp_split.split_budget(budget_bytes, bytes_per_block)
+            s.share_bytes for s in kv_arith.split_budget(budget_bytes, bytes_per_block)
         ]
     else:
         budgets = [budget_bytes] * len(bytes_per_block)
@@ -568,7 +569,7 @@ def capacity_for_tokens(
     The same with and without the proportional split: each stage is handed
     ``blocks_for_tokens(tokens) * bytes_per_block`` of its own.
     """
-    blocks = blocks_for_tokens(
+    blocks = kv_arith.blocks_for_tokens(
         tokens,
         lambda n: vllm_capacity(n, blocks_per_request, max_model_len)[0],
         guess=cdiv(tokens * blocks_per_request, max_model_len),
