@@ -32,7 +32,10 @@ Where each part lives:
   answer; ``stats``: the counters and gauges, and their /metrics names;
 - free of vLLM: ``host_index`` (slots by block hash), ``copy_engine`` (block
   copies), ``host_pool`` (pinned host memory), ``kv_region`` (where a block's
-  bytes live), ``wait_timer`` (the compute stream's waits on copies);
-- ``startup`` (the plugin only): ``--kv-host-cache-*`` turned into the
-  connector's config, the host memory check, the block count.
+  bytes live), ``wait_timer`` (the compute stream's waits on copies).
+
+The folder imports only vLLM and itself. The plugin's set-up of the tier
+(``--kv-host-cache-*`` turned into the connector's config, the host memory
+check, the block count) is ``vllm_kvmem/host_tier_setup.py``, beside the
+plugin's config.
 """
