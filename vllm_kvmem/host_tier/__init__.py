@@ -41,6 +41,6 @@ Where each part lives:
 
 The folder imports only vLLM and itself. The plugin's set-up of the tier
 (``--kv-host-cache-*`` turned into the connector's config, the host memory
-check, the block count) is ``vllm_kvmem/host_tier_setup.py``, beside the
-plugin's config.
+check, the block count) is the plugin's ``host_tier_setup`` module, beside
+its config.
 """
