@@ -18,14 +18,16 @@ import torch
 
 from tests.copy_checks import CASES, round_trip
 from vllm_kvmem.host_tier.copy_engine import (
-    AUTO_GATHER_MAX_STAGING_BYTES,
-    BATCH_BELOW_BLOCK_BYTES,
     BlockCopyEngine,
     HostBlockPool,
     KVRegion,
+    host_slot_bytes,
+)
+from vllm_kvmem.host_tier.copy_strategy import (
+    AUTO_GATHER_MAX_STAGING_BYTES,
+    BATCH_BELOW_BLOCK_BYTES,
     choose_strategy,
     gather_min_copies,
-    host_slot_bytes,
     plan_strategy,
 )
 

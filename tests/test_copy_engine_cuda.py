@@ -46,13 +46,15 @@ import torch
 
 from tests.copy_checks import CASES, random_bytes, round_trip
 from vllm_kvmem.host_tier.copy_engine import (
-    BATCH_BELOW_BLOCK_BYTES,
     BlockCopyEngine,
     CopyJob,
     HostBlockPool,
     KVRegion,
-    gather_min_copies,
     host_slot_bytes,
+)
+from vllm_kvmem.host_tier.copy_strategy import (
+    BATCH_BELOW_BLOCK_BYTES,
+    gather_min_copies,
 )
 from vllm_kvmem.host_tier.host_pool import TORCH_CUDART_BINDINGS
 from vllm_kvmem.host_tier.wait_timer import StreamWaitTimer

@@ -9,7 +9,7 @@ import pytest
 from vllm.engine.arg_utils import EngineArgs
 
 from tests.helpers import captured_log, engine_args_from_cli
-from vllm_kvmem.host_tier.startup import CONNECTOR_NAME
+from vllm_kvmem.host_tier_setup import CONNECTOR_NAME
 from vllm_kvmem.plugin import register
 
 # vLLM with vllm-kvmem patched in, as the entry point does in engine processes.

@@ -293,7 +293,7 @@ def test_a_node_that_cannot_start_fails_the_head_within_the_join_timeout(runs):
 def test_memory_check_counts_the_ranks_of_its_own_node(
     vllm_patched, model_8l, flags, tp, dp, note
 ):
-    from vllm_kvmem.host_tier.startup import _pools_per_node
+    from vllm_kvmem.host_tier_setup import _pools_per_node
 
     args = engine_args_from_cli("--model", str(model_8l), *flags)
     here = _pools_per_node(args)
@@ -308,7 +308,7 @@ def test_memory_check_accepts_per_node_what_one_node_could_not_hold(
     on one node would not fit passes, with the node named in the log."""
     import psutil
 
-    from vllm_kvmem.host_tier.startup import add_connector_config
+    from vllm_kvmem.host_tier_setup import add_connector_config
 
     avail = 10 << 30
     monkeypatch.setattr(
@@ -346,7 +346,7 @@ def test_memory_check_accepts_per_node_what_one_node_could_not_hold(
 def test_host_tier_refuses_the_legacy_ray_executor_with_a_pipeline(
     vllm_patched, model_8l, monkeypatch, flags, legacy, refused
 ):
-    from vllm_kvmem.host_tier.startup import add_connector_config
+    from vllm_kvmem.host_tier_setup import add_connector_config
 
     monkeypatch.setenv("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", legacy)
     args = engine_args_from_cli(

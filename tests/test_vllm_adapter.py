@@ -14,7 +14,7 @@ import pytest
 
 from vllm_kvmem import vllm_adapter as va
 from vllm_kvmem.host_tier.kv_region import config_slot_bytes
-from vllm_kvmem.host_tier.startup import pipeline_block_bytes
+from vllm_kvmem.host_tier_setup import pipeline_block_bytes
 
 PACKAGE = Path(va.__file__).resolve().parent
 

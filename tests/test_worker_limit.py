@@ -14,7 +14,7 @@ import torch
 from vllm_kvmem import vllm_adapter
 from vllm_kvmem.budget import kv_budget
 from vllm_kvmem.budget.runtime import DeviceLimit
-from vllm_kvmem.host_tier.copy_engine import AUTO_GATHER_MAX_STAGING_BYTES
+from vllm_kvmem.host_tier.copy_strategy import AUTO_GATHER_MAX_STAGING_BYTES
 
 
 def _worker(device, budget=1 << 30):
@@ -103,7 +103,7 @@ def test_gpu_limit_takes_off_cuda_graphs_and_the_host_tier_staging(
     model_8l, monkeypatch
 ):
     from vllm_kvmem.budget import device_limits
-    from vllm_kvmem.host_tier.copy_engine import DEFAULT_MAX_STAGING_BYTES
+    from vllm_kvmem.host_tier.copy_strategy import DEFAULT_MAX_STAGING_BYTES
 
     headroom = device_limits.GPU_HEADROOM_BYTES
     staging = 2 * DEFAULT_MAX_STAGING_BYTES  # one buffer per copy stream

@@ -59,7 +59,7 @@ def register() -> bool:
         )
         return False
     applied = apply_all(patches)
-    from vllm_kvmem.host_tier.startup import register_connector_name
+    from vllm_kvmem.host_tier_setup import register_connector_name
 
     register_connector_name()
     _state["patched"] = True

@@ -24,15 +24,23 @@ Where each part lives:
 
 - ``connector``: :class:`KVMemHostTierConnector`, the class vLLM loads
   (``kv_connector_module_path``), which hands each call to one of
-- ``scheduler``: :class:`HostTierScheduler`, every decision;
+- ``scheduler``: :class:`HostTierScheduler`, every decision, made by its
+  parts: ``matching`` (prefix hits in the host index), ``free_queue`` (the
+  walk of vLLM's free queue, its shadow, the evictions found in it),
+  ``load_queue`` (loads, a budget per step) and ``spill_queue`` (late
+  spills, saves in flight, failed saves);
 - ``worker``: :class:`HostTierWorker`, the copies;
 - ``config``: its settings, from vLLM's ``kv_connector_extra_config``;
   ``support``: which KV cache configs it serves and what a hit restores;
 - ``metadata``: what the scheduler tells the workers each step and what they
   answer; ``stats``: the counters and gauges, and their /metrics names;
 - free of vLLM: ``host_index`` (slots by block hash), ``copy_engine`` (block
-  copies), ``host_pool`` (pinned host memory), ``kv_region`` (where a block's
-  bytes live), ``wait_timer`` (the compute stream's waits on copies);
-- ``startup`` (the plugin only): ``--kv-host-cache-*`` turned into the
-  connector's config, the host memory check, the block count.
+  copies) and ``copy_strategy`` (direct or gather, and its staging),
+  ``host_pool`` (pinned host memory), ``kv_region`` (where a block's bytes
+  live), ``wait_timer`` (the compute stream's waits on copies).
+
+The folder imports only vLLM and itself. The plugin's set-up of the tier
+(``--kv-host-cache-*`` turned into the connector's config, the host memory
+check, the block count) is the plugin's ``host_tier_setup`` module, beside
+its config.
 """

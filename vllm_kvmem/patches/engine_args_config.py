@@ -8,7 +8,7 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def create_engine_config(self, *args, **kwargs):
-        from vllm_kvmem.host_tier.startup import add_connector_config
+        from vllm_kvmem.host_tier_setup import add_connector_config
 
         add_connector_config(self)
         config = original(self, *args, **kwargs)

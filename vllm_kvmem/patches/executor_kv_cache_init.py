@@ -11,7 +11,7 @@ def _make(original):
         from vllm_kvmem.budget.kv_budget import configs_ready
 
         configs_ready(self.vllm_config, kv_cache_configs)
-        from vllm_kvmem.host_tier.startup import size_host_tier
+        from vllm_kvmem.host_tier_setup import size_host_tier
 
         size_host_tier(self.vllm_config, kv_cache_configs)
         original(self, kv_cache_configs)

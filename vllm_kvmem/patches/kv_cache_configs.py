@@ -12,7 +12,7 @@ def _make(original):
         configs = plan_kv_cache_configs(
             original, vllm_config, kv_cache_specs, available_memory
         )
-        from vllm_kvmem.host_tier.startup import size_host_tier
+        from vllm_kvmem.host_tier_setup import size_host_tier
 
         size_host_tier(vllm_config, configs)
         return configs

@@ -8,7 +8,7 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def initialize_from_config(self, kv_cache_configs):
-        from vllm_kvmem.host_tier.startup import size_host_tier
+        from vllm_kvmem.host_tier_setup import size_host_tier
 
         size_host_tier(self.vllm_config, kv_cache_configs)
         original(self, kv_cache_configs)

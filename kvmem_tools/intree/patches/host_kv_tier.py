@@ -18,19 +18,11 @@ SLUG = "host_kv_tier"
 PLUGIN = Path(vllm_kvmem.__file__).resolve().parent / "host_tier"
 CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/host_tier_connector.py"
 PACKAGE = "vllm/v1/host_kv_tier/"
-#: The plugin's modules that go in, besides the connector.
-MODULES = (
-    "config",
-    "support",
-    "metadata",
-    "stats",
-    "scheduler",
-    "worker",
-    "host_index",
-    "kv_region",
-    "host_pool",
-    "copy_engine",
-    "wait_timer",
+#: The plugin's modules that go in, besides the connector: the whole folder.
+MODULES = tuple(
+    sorted(
+        p.stem for p in PLUGIN.glob("*.py") if p.stem not in ("__init__", "connector")
+    )
 )
 #: What the plugin names differently from vLLM's tree, in the order applied.
 RENAMES = (

@@ -1,6 +1,11 @@
-"""What the host tier settles before it runs: the flag turned into vLLM's
-connector config (API server), the host memory check, the tier's size (engine
-core and every worker, on the same configs) and whether a model can use it."""
+"""The plugin's set-up of the host KV tier (``host_tier/``), beside its config:
+what the tier settles before it runs. The flag turned into vLLM's connector
+config (API server), the host memory check, the tier's size (engine core and
+every worker, on the same configs) and whether a model can use it.
+
+Here rather than in ``host_tier/``, which imports only vLLM and itself (it is
+the in-tree series' connector): this module reads the plugin's flags
+(:class:`KVMemConfig`) and its pipeline figures (``vllm_adapter``)."""
 
 from __future__ import annotations
 
