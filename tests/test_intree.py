@@ -332,7 +332,7 @@ def test_a_checkout_gets_the_ci_wiring(tmp_path):
         p.name
         for p in files
         for f, lines in _added(p).items()
-        if f == ".buildkite/hardware_tests/cpu.yaml" and len(lines) == 2
+        if f == ".buildkite/hardware_tests/cpu.yaml" and len(lines) == 3
     ]
     assert len(wired) == 2 and "CPU_ATTN" in wired[0] and "MLA" in wired[1]
     notes: list[str] = []

@@ -80,11 +80,12 @@ _CPU_ATTN = """\
 """
 
 
-def ci_edits(test: str, after: str) -> list[Edit]:
+def ci_edits(test: str, after: str, source: str) -> list[Edit]:
     """Add ``test`` to the CPU-Kernel Tests step of ``.buildkite``, after the
-    test file ``after`` in its file dependencies and in its pytest command."""
+    test file ``after`` in its pytest command and, with the ``source`` file
+    it tests, in the file dependencies that trigger the step."""
     return [
-        Edit(CPU_CI, f"  - {after}\n", f"  - {test}\n"),
+        Edit(CPU_CI, f"  - {after}\n", f"  - {test}\n  - {source}\n"),
         Edit(CPU_CI, f"      {after} \\\n", f"      {test} \\\n"),
     ]
 
@@ -99,7 +100,11 @@ def _changes() -> list:
             where="replace",
         ),
         NewFile(TEST, FILES / SLUG / TEST),
-        *ci_edits(TEST, "tests/v1/attention/test_group_head_counts.py"),
+        *ci_edits(
+            TEST,
+            "tests/v1/attention/test_group_head_counts.py",
+            "vllm/v1/attention/backends/cpu_attn.py",
+        ),
     ]
 
 

@@ -91,7 +91,11 @@ def _changes() -> list:
         ),
         Edit(_BACKENDS + "amx_mla.py", "        return block_size % 32 == 0\n", _MLA),
         NewFile(TEST, FILES / SLUG / TEST),
-        *ci_edits(TEST, "tests/kernels/attention/test_amx_mla.py"),
+        *ci_edits(
+            TEST,
+            "tests/kernels/attention/test_amx_mla.py",
+            _BACKENDS + "cpu_mla.py",
+        ),
     ]
 
 
