@@ -38,6 +38,14 @@ class SourceTree:
         path = self.root / relpath
         return path.read_bytes() if path.is_file() else None
 
+    def has_folder(self, name: str) -> bool:
+        """The tree has a top-level folder ``name`` (``.buildkite``: only a
+        source checkout has it, an installed package or a wheel has not)."""
+        if self.root.suffix == ".whl":
+            with zipfile.ZipFile(self.root) as wheel:
+                return any(n.startswith(f"{name}/") for n in wheel.namelist())
+        return (self.root / name).is_dir()
+
     @cache  # noqa: B019 - a tree is read once per process; trees are few
     def _text(self, relpath: str) -> str | None:
         data = self.read(relpath)

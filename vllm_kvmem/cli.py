@@ -19,27 +19,6 @@ def _patches(args: argparse.Namespace) -> int:
     return 0
 
 
-def _upstream(args: argparse.Namespace) -> int:
-    """The generator is a development tool beside the package (not in the
-    wheel): found in the source checkout this package runs from."""
-    from pathlib import Path
-
-    checkout = Path(__file__).resolve().parents[1]
-    if not (checkout / "kvmem_tools").is_dir():
-        print(
-            "kvmem upstream runs from a source checkout of vllm-kvmem (the "
-            "in-tree series generator, kvmem_tools/, is not in the wheel): "
-            "git clone it and pip install -e it.",
-            file=sys.stderr,
-        )
-        return 2
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    from kvmem_tools.intree.series import run
-
-    return run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from vllm_kvmem import demo, planner, shape_model, tiny_model
 
@@ -83,18 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("patches", help="list the vLLM patches vllm-kvmem applies")
     p.add_argument("--markdown", action="store_true", help="print docs/patches.md")
     p.set_defaults(func=_patches)
-    p = sub.add_parser(
-        "upstream",
-        help="write the in-tree feature branch: a git format-patch series for "
-        "vLLM's own tree (vLLM 0.32 or 0.33)",
-    )
-    p.add_argument(
-        "--vllm-src",
-        help="vLLM source tree (a checkout, a folder holding vllm/, or a wheel); "
-        "default: the installed vLLM package's sources",
-    )
-    p.add_argument("--out", default="upstream-series", help="output folder")
-    p.set_defaults(func=_upstream)
     return parser
 
 

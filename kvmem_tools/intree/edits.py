@@ -39,9 +39,9 @@ class Edit:
     text: str
     where: Literal["after", "before", "replace"] = "after"
 
-    def apply(self, root: Path, patch: str) -> None:
-        file = root / self.path
-        source = file.read_text()
+    def edited(self, source: str, patch: str) -> str:
+        """``source`` with this edit made; raises ``AnchorError`` naming the
+        patch, the file and the anchor unless the anchor occurs once."""
         count = source.count(self.anchor)
         if count != 1:
             raise AnchorError(
@@ -51,12 +51,14 @@ class Edit:
         at = source.index(self.anchor)
         end = at + len(self.anchor)
         if self.where == "after":
-            source = source[:end] + self.text + source[end:]
-        elif self.where == "before":
-            source = source[:at] + self.text + source[at:]
-        else:
-            source = source[:at] + self.text + source[end:]
-        file.write_text(source)
+            return source[:end] + self.text + source[end:]
+        if self.where == "before":
+            return source[:at] + self.text + source[at:]
+        return source[:at] + self.text + source[end:]
+
+    def apply(self, root: Path, patch: str) -> None:
+        file = root / self.path
+        file.write_text(self.edited(file.read_text(), patch))
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,50 @@
-"""``kvmem upstream``: write the in-tree series with git.
+"""Write the in-tree series with git (``python -m kvmem_tools.intree``).
 
 The vLLM files the series edits are copied from the tree given into a
 scratch git repository and committed as they are; each patch's edits and new
-files are applied and committed with its PR text as the message; ``git
+files are applied and committed (``git commit -s``: signed off by the
+series' author, as vLLM's DCO asks) with its PR text as the message; ``git
 format-patch`` writes the series. So the diffs are computed against that
 tree at run time, and what ``git am`` reads is what git itself wrote.
+
+A patch module (``patches/<name>.py``, listed in :data:`ORDER`) defines
+``PATCH``, an :class:`InTreePatch`. Its ``message`` is built with
+``kvmem_tools.intree.pr_text.pr_text`` (vLLM 0.32's PR template: Overview,
+Claims, Validation, Details and the checklist answered, with the
+duplicate-work answer and the AI-assistance statement); its ``changes`` hold
+one list of ``Edit``/``NewFile`` per release series it is written for
+(``"0.32"``, ``"0.33"``). For any tree (a release, a dev build, main) each
+patch takes the variant of the nearest release whose anchors all match the
+tree as the patches before it left it; only when none does is the tree
+refused, naming the patch, the file and the anchor. An edit of a file that
+only a source checkout holds (``.buildkite/``) is left out, and said so, for
+an installed package or a wheel, which have no such folder.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.edits import AnchorError, Edit, NewFile
 from kvmem_tools.vllm_sources import SourceTree
 
 FILES = Path(__file__).resolve().parent / "files"
 #: The patches, in series order (modules of ``kvmem_tools.intree.patches``).
-ORDER = ("pp_kv_budget", "kv_cache_tokens", "cpu_attn_block_outer", "host_kv_tier")
+ORDER = (
+    "pp_kv_budget",
+    "kv_cache_tokens",
+    "cpu_attn_block_outer",
+    "cpu_mla_kv_cache_layouts",
+    "host_kv_tier",
+)
 #: Author and date of every commit: the series is the same bytes for the same
 #: tree.
 GIT_ENV = {
@@ -33,6 +55,9 @@ GIT_ENV = {
     "GIT_COMMITTER_EMAIL": "vllm-kvmem@users.noreply.github.com",
     "GIT_COMMITTER_DATE": "2026-11-25T00:00:00+00:00",
 }
+#: Top-level folders of vLLM's repository that a source checkout has and an
+#: installed package or a wheel has not.
+CHECKOUT_ONLY = (".buildkite",)
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,17 @@ class InTreePatch:
             raise ValueError(f"patch {self.slug} is not written for vLLM {series}")
         return self.changes[series]
 
+    def variants_for(self, series: str) -> list[str]:
+        """The release series this patch is written for, nearest to
+        ``series`` first (of two as near, the newer)."""
+        target = _release_key(series)
+
+        def distance(s: str) -> tuple[int, int]:
+            key = _release_key(s)
+            return (abs(key[0] - target[0]) * 1000 + abs(key[1] - target[1]), -key[1])
+
+        return sorted(self.changes, key=distance)
+
 
 def patches() -> list[InTreePatch]:
     return [
@@ -59,12 +95,16 @@ def patches() -> list[InTreePatch]:
 
 
 def series_of(version: str) -> str:
-    major_minor = ".".join(version.split(".")[:2])
-    if major_minor not in ("0.32", "0.33"):
-        raise ValueError(
-            f"the in-tree series is written for vLLM 0.32 and 0.33, not {version}"
-        )
-    return major_minor
+    """The release series (``major.minor``) of a vLLM version, dev and local
+    builds included (``0.34.0.dev0+g1234abc`` is ``0.34``); a version that
+    names none (``main``) is returned as it is, and taken as the newest."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return f"{found[1]}.{found[2]}" if found else version
+
+
+def _release_key(series: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)$", series)
+    return (int(found[1]), int(found[2])) if found else (1 << 10, 0)
 
 
 def installed_vllm_root() -> Path:
@@ -87,39 +127,102 @@ def _git(repo: Path, *args: str) -> str:
     return done.stdout
 
 
-def write_series(out: Path, vllm_src: Path | None = None) -> tuple[str, list[Path]]:
-    """Write the series for the vLLM tree ``vllm_src`` (a folder holding
-    ``vllm/``, or a wheel; default: the installed vLLM) into ``out``.
-    Returns the tree's vLLM version and the patch files, in order."""
+def _checkout_only(source: SourceTree, path: str) -> bool:
+    """``path`` is a file only a source checkout holds, and ``source`` is
+    not one (an installed package or a wheel)."""
+    top = path.split("/", 1)[0]
+    return top in CHECKOUT_ONLY and not source.has_folder(top)
+
+
+def _fitting(
+    patch: InTreePatch, series: str, repo: Path, source: SourceTree, notes: list[str]
+) -> list[Edit | NewFile]:
+    """The changes of ``patch`` for the tree in ``repo``: those of the
+    nearest release whose anchors all match there. Raises the nearest
+    variant's ``AnchorError`` when none fits."""
+    errors: list[AnchorError] = []
+    for variant in patch.variants_for(series):
+        changes, skipped = [], []
+        texts: dict[str, str] = {}
+        try:
+            for change in patch.changes[variant]:
+                if isinstance(change, NewFile):
+                    changes.append(change)
+                    continue
+                if change.path not in texts:
+                    file = repo / change.path
+                    if not file.is_file():
+                        if _checkout_only(source, change.path):
+                            skipped.append(change.path)
+                            continue
+                        raise AnchorError(
+                            f"patch {patch.slug}: {change.path}: no such file in "
+                            f"the tree (anchor {change.anchor!r})"
+                        )
+                    texts[change.path] = file.read_text()
+                texts[change.path] = change.edited(texts[change.path], patch.slug)
+                changes.append(change)
+        except AnchorError as e:
+            errors.append(e)
+            continue
+        notes += [
+            f"{patch.slug}: {path} left out (the tree is no source checkout)"
+            for path in sorted(set(skipped))
+        ]
+        return changes
+    raise errors[0]
+
+
+def write_series(
+    out: Path,
+    vllm_src: Path | None = None,
+    notes: list[str] | None = None,
+    only: Sequence[str] | None = None,
+) -> tuple[str, list[Path]]:
+    """Write the series for the vLLM tree ``vllm_src`` (a checkout, a folder
+    holding ``vllm/``, or a wheel; default: the installed vLLM) into ``out``.
+    ``only``: the patches (modules of :data:`ORDER`) to write, each then made
+    against the tree as the patches it leaves out would not change it (one
+    PR alone: ``only=[name]``). Returns the tree's vLLM version and the patch
+    files, in order; what was left out goes to ``notes``."""
+    notes = [] if notes is None else notes
+    unknown = set(only or ()) - set(ORDER)
+    if unknown:
+        raise ValueError(f"--only {sorted(unknown)}: no such patch; one of {ORDER}")
     tree = Path(vllm_src) if vllm_src else installed_vllm_root()
     source = SourceTree(tree)
     version = source.version()
     if version is None:
         raise ValueError(f"{tree}: no vllm/_version.py")
     series = series_of(version)
-    todo = [(p, p.for_series(series)) for p in patches()]
+    every = [p for name, p in zip(ORDER, patches()) if not only or name in only]
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvmem-intree-") as tmp:
         repo = Path(tmp)
         _git(repo, "init", "-q", "-b", "main")
-        added = {c.path for _, cs in todo for c in cs if isinstance(c, NewFile)}
-        seeded = sorted(
-            {c.path for _, cs in todo for c in cs if isinstance(c, Edit)} - added
-        )
-        for relpath in seeded:
+        # Every file any variant edits, as far as the tree has it.
+        for relpath in sorted(
+            {
+                c.path
+                for p in every
+                for cs in p.changes.values()
+                for c in cs
+                if isinstance(c, Edit)
+            }
+        ):
             data = source.read(relpath)
-            if data is None:
-                raise ValueError(f"{tree}: no {relpath} (vLLM {version})")
-            (repo / relpath).parent.mkdir(parents=True, exist_ok=True)
-            (repo / relpath).write_bytes(data)
+            if data is not None:
+                (repo / relpath).parent.mkdir(parents=True, exist_ok=True)
+                (repo / relpath).write_bytes(data)
         _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "-m", f"vLLM {version}")
+        _git(repo, "commit", "-q", "--allow-empty", "-m", f"vLLM {version}")
         base = _git(repo, "rev-parse", "HEAD").strip()
-        for patch, changes in todo:
-            for change in changes:
+        for patch in every:
+            for change in _fitting(patch, series, repo, source, notes):
                 change.apply(repo, patch.slug)
             _git(repo, "add", "-A")
-            _git(repo, "commit", "-q", "-m", f"{patch.subject}\n\n{patch.message}")
+            message = f"{patch.subject}\n\n{patch.message}"
+            _git(repo, "commit", "-q", "-s", "-m", message)
         for old in out.glob("*.patch"):
             old.unlink()
         _git(repo, "format-patch", "-q", "--full-index", "-o", str(out), base)
@@ -154,12 +257,35 @@ def copy_tree(src: Path, dest: Path) -> Path:
     return dest
 
 
-def run(args) -> int:
-    """``kvmem upstream``: write the series, print each patch and its size."""
-    version, files = write_series(Path(args.out), args.vllm_src)
-    print(f"vLLM {version}: {len(files)} patches in {args.out}")
+def added_lines(patch: Path) -> dict[str, list[str]]:
+    """Lines each file gains in ``patch`` (a ``git format-patch`` file)."""
+    out: dict[str, list[str]] = {}
+    path = None
+    for line in patch.read_text().splitlines():
+        if line.startswith("+++ "):
+            path = line.removeprefix("+++ b/")
+            out[path] = []
+        elif line.startswith("+") and path is not None:
+            out[path].append(line[1:])
+    return out
+
+
+def sizes(patch: Path) -> tuple[int, int]:
+    """Lines ``patch`` adds outside tests and in tests (``tests/``)."""
+    added = added_lines(patch)
+    in_tests = sum(len(v) for f, v in added.items() if f.startswith("tests/"))
+    return sum(map(len, added.values())) - in_tests, in_tests
+
+
+def run(vllm_src: str | None, out: str, only: Sequence[str] | None = None) -> int:
+    """Write the series, print each patch and its size."""
+    notes: list[str] = []
+    tree = Path(vllm_src) if vllm_src else None
+    version, files = write_series(Path(out), tree, notes, only)
+    print(f"vLLM {version}: {len(files)} patches in {out}")
     for patch in files:
-        lines = patch.read_text().splitlines()
-        added = [ln for ln in lines if ln.startswith("+") and not ln.startswith("+++")]
-        print(f"  {patch.name}: +{len(added)} lines")
+        code, tests = sizes(patch)
+        print(f"  {patch.name}: +{code + tests} lines ({code} outside tests)")
+    for note in notes:
+        print(f"  note: {note}")
     return 0

@@ -1,45 +1,61 @@
 """[Core] Size the KV cache in tokens (``kv_cache_tokens``).
 
-The tokens become a block count where vLLM plans the KV caches, on the
-``num_gpu_blocks_override`` path of ``get_kv_cache_configs``: each worker's
-available memory becomes that many blocks of its own bytes per block, so
-vLLM's auto-fit, capacity check and allocation apply unchanged. vLLM's
-capacity log says the tokens left after the null block; the CPU worker
-reports its node's free memory as the limit instead of failing on its
-``gpu_memory_utilization`` reservation.
+The tokens become each worker's available memory where vLLM plans the KV
+caches, after the ``num_gpu_blocks_override`` block of
+``get_kv_cache_configs`` (not through it: no override is logged): that many
+blocks of the worker's own bytes per block, so vLLM's auto-fit, capacity
+check and allocation apply unchanged. vLLM's capacity log says the tokens
+left after the null block; the CPU worker reports its node's free memory as
+the limit instead of failing on its ``gpu_memory_utilization`` reservation.
 """
 
 from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "kv_cache_tokens"
+ENGINE_TEST = "tests/v1/e2e/general/test_kv_cache_tokens_engine.py"
+UNIT_TEST = "tests/v1/core/test_kv_cache_tokens.py"
 
-MESSAGE = """\
-## Purpose
+MESSAGE = pr_text(
+    overview="""\
+`--kv-cache-tokens N` (human-readable: `400k`) sizes the KV cache in tokens:
+every worker gets the fewest blocks whose usable blocks hold N tokens.
+Related: #33263 (KV bytes per token depend on each stage's layers).""",
+    claims=[
+        "Operators size the cache in tokens without working out bytes per token "
+        "for the model, KV dtype and, with pipeline parallelism, each stage.",
+        "Tokens are counted as `get_kv_cache_capacity` counts them (requests of "
+        "`max_model_len`, every KV cache group: hybrid models covered), after "
+        "the null block; each stage allocates those blocks of its own size.",
+        "Refused with the most tokens that fit when a worker lacks the memory; "
+        "the capacity log says what the budget bought.",
+    ],
+    validation=f"""\
+On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0:
 
-Operators size KV caches in tokens ("hold 400k tokens"), but vLLM takes
-bytes (`--gpu-memory-utilization`, `--kv-cache-memory-bytes`) or a block
-count (`--num-gpu-blocks-override`, a testing knob), and the bytes a token
-takes depend on the model, the KV cache dtype and, with pipeline
-parallelism, on each stage's layers (#33263).
-
-`--kv-cache-tokens N` (human-readable: `400k`) sizes the cache in tokens.
-`get_kv_cache_configs` turns N into a block count and takes the
-`num_gpu_blocks_override` path with it: the fewest blocks that hold N
-tokens besides the null block, counted as `get_kv_cache_capacity` counts
-capacity (requests of `max_model_len` tokens, taking blocks from every KV
-cache group, so hybrid models are covered). Every worker gets exactly that
-many blocks of its own bytes per block, so a pipeline stage with fewer
-layers allocates less. Auto-fit of `--max-model-len auto`, the capacity
-check and allocation run unchanged. A budget that needs more memory than a
-worker has is refused with the most tokens that fit; one that holds less
-than one `max_model_len` request, or a pipeline stage without KV cache
-layers (which the override path cannot size), is refused too. `CacheConfig`
-refuses it next to `kv_cache_memory_bytes`, `num_gpu_blocks_override` or
-`enable_pp_prop_kv_cache`.
-
-The capacity log says what the budget bought; the planner logs each
-worker's KV cache bytes:
+- `pytest {UNIT_TEST}`: 17 passed. Synthetic specs and a model config
+  without weights: block counts for several budgets, block sizes and
+  `max_model_len` values (the usable blocks hold the budget, one fewer would
+  not), stages of 6 and 2 layers, a full + sliding window model, auto-fit,
+  the three refusals, the options it cannot be combined with, the flag, the
+  capacity log, and no `num_gpu_blocks_override` log line.
+- `pytest {ENGINE_TEST}`: 1 passed. `hmellor/tiny-random-LlamaForCausalLM`,
+  `kv_cache_tokens=3000`, `max_model_len=512`: 25 blocks (24 usable hold
+  3,072 tokens, one fewer would not), and it generates.""",
+    details="""\
+vLLM takes bytes (`--gpu-memory-utilization`, `--kv-cache-memory-bytes`) or
+a block count (`--num-gpu-blocks-override`, a testing knob). The flag sets
+each worker's available memory to N's blocks of its own bytes per block
+right after the `num_gpu_blocks_override` block, so auto-fit of
+`--max-model-len auto`, the capacity check and allocation run unchanged, and
+no "Overriding num_gpu_blocks" line is logged for a user who set no
+override. It is refused with `kv_cache_memory_bytes` or
+`num_gpu_blocks_override` (one size each), below one `max_model_len`
+request, and with a pipeline stage without KV cache layers. The CPU worker
+treats it as an explicit size, as it does `kv_cache_memory_bytes`, and
+reports its NUMA node's available memory as the limit; GPU workers profile
+as before.
 
     kv_cache_tokens=3,000: 25 KV cache blocks on every worker; KV cache per
     worker: 0.01 GiB.
@@ -47,37 +63,28 @@ worker's KV cache bytes:
     kv_cache_tokens=3,000), Maximum concurrency for 2,048 tokens per
     request: 1.56x
 
-The CPU worker treats the budget as an explicit size, as it does
-`kv_cache_memory_bytes`: no `--gpu-memory-utilization` reservation check,
-and it reports its NUMA node's available memory as the limit the budget is
-checked against. GPU workers profile as before; the profiled figure is the
-limit.
-
-## Test Plan
-
-`pytest tests/v1/core/test_kv_cache_tokens.py`: synthetic specs and a model
-config without weights. Block counts for several budgets, block sizes and
-`max_model_len` values (the blocks besides the null block hold the budget,
-one block fewer would not), two pipeline stages of 6 and 2 layers (same
-blocks, own bytes), a full + sliding window model (two groups), auto-fit,
-the three refusals, the options it cannot be combined with, the flag, and
-the capacity log.
-
-A CPU engine: `LLM(model=<8-layer Llama, bf16>, kv_cache_tokens=3000,
-max_model_len=2048, enforce_eager=True)` with no other memory option; the
-same with `max_model_len="auto"`, with `kv_cache_memory_bytes`, and with
-100M tokens.
-
-## Test Result
-
-The unit tests pass on CPU. The engine (128-token blocks, 512 KiB each)
-gets 25 blocks: 24 for requests (3,072 tokens) and the null block, 12.5 MiB
-of KV cache, and generates. With `max_model_len="auto"`, max_model_len is
-fitted to 3,072. With `kv_cache_memory_bytes` it is refused by
-`CacheConfig`; 100M tokens are refused with the 2,570,240 tokens that fit
-in the node's 9.81 GiB. Without the CPU worker change the same engine fails
-at startup when the node has less free memory than the 0.92 reservation.
-"""
+One knob: every stage gets the same block count, as vLLM already gives it.
+A pipeline-wide byte budget (`--enable-pp-prop-kv-cache`) is a separate PR;
+neither needs the other.""",
+    duplicates="""\
+no PR we know of sizes the KV cache in tokens; #33263 describes the problem.
+The `gh` searches of AGENTS.md are for the submitter to rerun before
+opening.""",
+    design_fit=Answer(
+        True,
+        "~115 lines, most in `vllm/v1/core` (medium), on vLLM's own capacity "
+        "count and planning; off by default.",
+    ),
+    testing=Answer(
+        True,
+        "Unit tests in CI's CPU `v1/core` step (`cpu_test`); the engine test in "
+        "the E2E Core step (`v1/e2e/general`, one GPU). Validated on CPU only.",
+    ),
+    code_quality=Answer(
+        False, "Clear and short, but no docs page yet (only the flag's help)."
+    ),
+    contents=Answer(True, "Summary, claims with figures, trade-offs above."),
+)
 
 _FIELD = '''
 
@@ -86,20 +93,16 @@ _FIELD = '''
     KV cache blocks needed to hold this many tokens besides the null block,
     counted as the KV cache capacity is reported (requests of `max_model_len`
     tokens). With pipeline parallelism each stage allocates those blocks for
-    its own layers. Cannot be combined with `kv_cache_memory_bytes`,
-    `num_gpu_blocks_override` or `enable_pp_prop_kv_cache`."""'''
+    its own layers. Cannot be combined with `kv_cache_memory_bytes` or
+    `num_gpu_blocks_override`."""'''
 
 _VALIDATOR = """
     @model_validator(mode="after")
     def _validate_kv_cache_tokens(self) -> "CacheConfig":
         if self.kv_cache_tokens is None:
             return self
-        for other in (
-            "kv_cache_memory_bytes",
-            "num_gpu_blocks_override",
-            "enable_pp_prop_kv_cache",
-        ):
-            if getattr(self, other) not in (None, False):
+        for other in ("kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            if getattr(self, other) is not None:
                 raise ValueError(
                     "kv_cache_tokens sets the number of KV cache blocks of every "
                     f"worker; it cannot be combined with {other}."
@@ -108,14 +111,15 @@ _VALIDATOR = """
 """
 
 _HELPER = '''\
-def _num_blocks_for_kv_cache_tokens(
+def _kv_cache_memory_for_tokens(
 {builder_param}    vllm_config: VllmConfig,
     projected_groups_per_worker: list[list[KVCacheGroupSpec]],
     available_memory: list[int],
-) -> int | None:
-    """The number of KV cache blocks of every worker for `kv_cache_tokens`:
-    the fewest whose usable blocks (all but the null block) hold that many
-    tokens, counted as `get_kv_cache_capacity` counts them.
+) -> list[int]:
+    """Each worker's memory for the KV cache with `kv_cache_tokens`: the
+    same number of blocks on every worker, the fewest whose usable blocks
+    (all but the null block) hold that many tokens, counted as
+    `get_kv_cache_capacity` counts them.
 
     Refuses a budget that needs more than a worker's available memory, or
     that holds less than one `max_model_len` request.
@@ -123,7 +127,7 @@ def _num_blocks_for_kv_cache_tokens(
     tokens = vllm_config.cache_config.kv_cache_tokens
     assert tokens is not None
     if not any(projected_groups_per_worker):
-        return None
+        return available_memory
     empty = [
         worker
         for worker, groups in enumerate(projected_groups_per_worker)
@@ -171,7 +175,7 @@ def _num_blocks_for_kv_cache_tokens(
         num_blocks,
         ", ".join(format_gib(num_blocks * b) for b in bytes_per_block),
     )
-    return num_blocks
+    return [num_blocks * b for b in bytes_per_block]
 
 
 '''
@@ -219,31 +223,6 @@ _TEST_RENAMES = (
 )
 
 
-_ENGINE_TEST = """
-
-def test_kv_cache_tokens_sizes_the_cache(request, monkeypatch, engine_env):
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    load_general_plugins()
-    llm = LLM(
-        model=MODEL,
-        kv_cache_tokens=3000,
-        max_model_len=512,
-        enforce_eager=True,
-        dtype="float32",
-    )
-    ranks = _ranks(llm)
-    token_ids = _generate(llm)
-    _write_report(request, ranks=ranks, token_ids=token_ids)
-
-    # Every block but the null block holds the tokens; one fewer would not.
-    (rank,) = ranks
-    block_size = llm.llm_engine.vllm_config.cache_config.block_size
-    usable = (rank["num_blocks"] - 1) * block_size
-    assert usable - block_size < 3000 <= usable
-    assert all(len(t) == 8 for t in token_ids)
-"""
-
-
 def _changes(planner: str, builder: bool) -> list:
     """The edits for one release; ``builder``: vLLM 0.33's planner, which
     takes a ``KVCacheConfigBuilder``."""
@@ -258,9 +237,10 @@ def _changes(planner: str, builder: bool) -> list:
     )
     call = f"""\
     if vllm_config.cache_config.kv_cache_tokens is not None:
-        override = _num_blocks_for_kv_cache_tokens(
+        available_memory = _kv_cache_memory_for_tokens(
             {first}vllm_config, projected_groups_per_worker, available_memory
         )
+
 """
     changes = [
         Edit(
@@ -304,8 +284,10 @@ def _changes(planner: str, builder: bool) -> list:
         ),
         Edit(
             planner,
-            "    override = vllm_config.cache_config.num_gpu_blocks_override\n",
+            "    # Reserve the null block BlockPool permanently holds back, so auto-fit"
+            " and\n",
             call,
+            where="before",
         ),
         Edit(planner, "def _project_kv_cache_groups_to_worker(\n", helper, "before"),
         Edit(
@@ -341,17 +323,11 @@ def _changes(planner: str, builder: bool) -> list:
                 "            and vllm_config.cache_config.kv_cache_tokens is None\n",
             )
         )
-    changes.append(
-        Edit(
-            "tests/v1/e2e/test_kv_cache_budget_engine.py",
-            "    assert all(len(t) == 8 for t in token_ids)\n",
-            _ENGINE_TEST,
-        )
-    )
+    changes.append(NewFile(ENGINE_TEST, FILES / SLUG / ENGINE_TEST))
     changes.append(
         NewFile(
-            "tests/v1/core/test_kv_cache_tokens.py",
-            FILES / SLUG / "tests/v1/core/test_kv_cache_tokens.py",
+            UNIT_TEST,
+            FILES / SLUG / UNIT_TEST,
             renames=() if builder else _TEST_RENAMES,
         )
     )

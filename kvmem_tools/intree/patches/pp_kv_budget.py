@@ -1,66 +1,93 @@
 """[Core] Pipeline-proportional KV cache budget (``enable_pp_prop_kv_cache``).
 
-The split sits where vLLM plans the KV caches, beside the
+The split sits where vLLM plans the KV caches, after the
 ``num_gpu_blocks_override`` block of ``get_kv_cache_configs``: each worker's
 available memory becomes its stage's share of ``kv_cache_memory_bytes``, so
 vLLM's own auto-fit, capacity check and minimum-block trim apply unchanged.
+The arithmetic is ``_split_kv_budget``, whose body is that of the plugin's
+``vllm_kvmem.core.kv_arith.split_kv_budget`` (``tests/test_intree.py`` holds
+them equal).
 """
 
 from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "pp_kv_budget"
+ENGINE_TEST = "tests/v1/e2e/general/test_pp_kv_cache_budget.py"
+UNIT_TEST = "tests/v1/core/test_pp_kv_budget.py"
 
-MESSAGE = """\
-## Purpose
+MESSAGE = pr_text(
+    overview="""\
+`--enable-pp-prop-kv-cache` makes `--kv-cache-memory-bytes` one KV cache
+budget for the whole pipeline (per tensor-parallel shard) instead of a
+per-device figure, split across the stages by their KV bytes per block.
+Related: #50821, #52921 (block counts across PP ranks).""",
+    claims=[
+        "With uneven stages (`VLLM_PP_LAYER_PARTITION=56,8`, or stages holding "
+        "different layer types) the stages together stay within one budget and "
+        "each allocates only its share, instead of every stage reserving the "
+        "whole figure.",
+        "Every stage holds the same number of blocks: "
+        "`budget // sum(bytes per block of every stage)`.",
+        "Off by default; no change to any other path.",
+    ],
+    validation=f"""\
+On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0:
 
-With pipeline parallelism, `--kv-cache-memory-bytes` is a per-GPU figure:
-every stage reserves it, and the engine then cuts every stage to the block
-count of the stage with the most KV bytes per block (#25164 trims the
-tensors). With unequal stages (`VLLM_PP_LAYER_PARTITION=56,8`, or a model
-whose stages hold different layer types) the lighter stages reserve memory
-they never use, and an operator cannot say how much KV memory the whole
-pipeline should take.
+- `pytest {UNIT_TEST}`: 8 passed. Synthetic per-worker specs (6/2 and 4/4
+  layers, 2 and 8 KV heads, TP 2 x PP 2), no model: shares follow the bytes
+  per block, one block count on every stage, the sum within the budget; a
+  stage without KV cache layers and workers out of stage order are refused;
+  an attention-free model keeps its memory; the flag needs
+  `--kv-cache-memory-bytes`.
+- `pytest {ENGINE_TEST}`: 1 passed. A pipeline of 2 on
+  `hmellor/tiny-random-LlamaForCausalLM` (layers 6 and 2, float32, 128-token
+  blocks of 128 KiB per layer), budget 24 MiB: 24 blocks on each stage,
+  18 MiB and 6 MiB, the budget to the byte; greedy output generated.""",
+    details="""\
+`get_kv_cache_configs` cuts every stage to the block count of the stage with
+the most KV bytes per block (#25164 trims the tensors), so with
+`--kv-cache-memory-bytes` per device the lighter stages reserve memory they
+never use, and nothing says how much the pipeline takes. The flag turns each
+worker's available memory into its stage's share, right after the
+`num_gpu_blocks_override` block; auto-fit of `--max-model-len auto`, the
+capacity check and the trim run unchanged. `num_gpu_blocks_override` wins
+(one warning). A stage without KV cache layers is refused by name. Workers
+must arrive in rank order, stage-major, as the executor gathers them: this
+is checked (workers of one stage hold the same layers), not assumed.
 
-`--enable-pp-prop-kv-cache` makes `--kv-cache-memory-bytes` one budget for
-the pipeline (per tensor-parallel shard): `get_kv_cache_configs` gives each
-stage `budget // sum(bytes per block of every stage) * its bytes per block`,
-so every stage holds the same number of blocks and the stages together stay
-within the budget. It sits beside the `num_gpu_blocks_override` block and,
-like it, only changes each worker's available memory: auto-fit of
-`--max-model-len auto`, the capacity check and the minimum-block trim run
-unchanged. A stage that holds no KV cache layer is refused by name; with
-`num_gpu_blocks_override` set, the override wins (one warning).
-
-Related: #50821, #52921 (block counts across PP ranks).
-
-## Test Plan
-
-`pytest tests/v1/core/test_pp_kv_budget.py`: synthetic per-worker specs
-(6/2 and 4/4 layers, 2 and 8 KV heads, TP 2 x PP 2), no model: the shares
-follow the bytes per block, every stage holds the same block count, the sum
-stays within the budget, an empty stage is refused by name, an
-attention-free model keeps its memory, and the flag requires
-`--kv-cache-memory-bytes`.
-`pytest tests/v1/e2e/test_kv_cache_budget_engine.py`: a pipeline of 2 on
-`hmellor/tiny-random-LlamaForCausalLM`; every stage holds the blocks of the
-proportional split, within the budget.
-
-## Test Result
-
-All pass on CPU (vLLM's CPU build). The engine test, a pipeline of 2
-(layers 6 and 2, float32, 128-token blocks of 128 KiB per layer) with a
-24 MiB budget: 24 blocks on each stage, 18 MiB and 6 MiB, the budget to the
-byte.
-"""
+One knob: this PR keeps a byte budget. Sizing the cache in tokens
+(`--kv-cache-tokens`, a separate PR) also gives every stage the same block
+count, from a token figure; neither PR needs the other.""",
+    duplicates="""\
+the open PRs on KV block counts across pipeline ranks that we know of
+(#50821, #52921) equalize block counts; none makes the byte budget
+pipeline-wide. The `gh` searches of AGENTS.md are for the submitter to rerun
+before opening.""",
+    design_fit=Answer(
+        True,
+        "~75 lines in `vllm/v1/core` and ~22 in config and arguments (medium), "
+        "beside the override block, on vLLM's bytes per block; off by default.",
+    ),
+    testing=Answer(
+        False,
+        "The unit tests run in CI's CPU `v1/core` step (`cpu_test`); the engine "
+        "test needs 2 devices (or CPU ranks) and is wired into no 2-GPU step.",
+    ),
+    code_quality=Answer(
+        False, "Clear and short, but no docs page yet (only the flag's help)."
+    ),
+    contents=Answer(True, "Summary, claims with figures, trade-offs above."),
+)
 
 _FIELD = '''
 
     enable_pp_prop_kv_cache: bool = False
     """Treat `kv_cache_memory_bytes` as one budget for the whole pipeline (per
-    tensor-parallel shard) and split it across the pipeline stages in
-    proportion to each stage's KV cache bytes per block, so that every stage
-    holds the same number of blocks. Requires `kv_cache_memory_bytes`."""'''
+    tensor-parallel shard) and split it across the pipeline stages so that
+    every stage holds the same number of blocks, each of its own KV bytes per
+    block. Requires `kv_cache_memory_bytes`."""'''
 
 _VALIDATOR = """\
     @model_validator(mode="after")
@@ -74,25 +101,40 @@ _VALIDATOR = """\
 """
 
 _SPLIT = '''\
+def _split_kv_budget(budget: int, stage_bytes_per_block: list[int]) -> list[int]:
+    num_blocks = budget // sum(stage_bytes_per_block)
+    return [num_blocks * b for b in stage_bytes_per_block]
+
+
 def _split_kv_budget_across_pp_stages(
     vllm_config: VllmConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
     bytes_per_block: list[int],
     available_memory: list[int],
 ) -> list[int]:
     """Each worker's share of `kv_cache_memory_bytes` with
-    `enable_pp_prop_kv_cache`: in proportion to its stage's KV bytes per
-    block, so that every stage holds the same number of blocks.
+    `enable_pp_prop_kv_cache`: every stage holds the same number of blocks,
+    each of its own bytes per block.
 
-    Workers come in rank order, stage-major, and the workers of one stage
-    hold the same layers. Every share is at most the budget, which is what
-    each worker reported as its available memory.
+    Workers come in rank order, stage-major (checked: the workers of one
+    stage hold the same layers). Every share is at most the budget, which is
+    what each worker reported as its available memory.
     """
     if not any(bytes_per_block):
         return available_memory
     budget = vllm_config.cache_config.kv_cache_memory_bytes
     assert budget is not None
     pp_size = vllm_config.parallel_config.pipeline_parallel_size
-    stage_bytes = bytes_per_block[:: len(bytes_per_block) // pp_size]
+    per_stage, rest = divmod(len(kv_cache_specs), pp_size)
+    for worker, specs in enumerate(kv_cache_specs):
+        first = worker - worker % per_stage
+        if rest or specs.keys() != kv_cache_specs[first].keys():
+            raise RuntimeError(
+                "enable_pp_prop_kv_cache needs the workers' KV cache specs in rank "
+                f"order, stage-major ({per_stage} workers a stage), but worker "
+                f"{worker} does not hold the layers of worker {first}."
+            )
+    stage_bytes = bytes_per_block[::per_stage]
     if 0 in stage_bytes:
         empty = [stage for stage, b in enumerate(stage_bytes) if b == 0]
         raise ValueError(
@@ -101,16 +143,16 @@ def _split_kv_budget_across_pp_stages(
             "block. Give every stage attention layers (VLLM_PP_LAYER_PARTITION) "
             "or disable enable_pp_prop_kv_cache."
         )
-    num_blocks = budget // sum(stage_bytes)
+    shares = _split_kv_budget(budget, stage_bytes)
     logger.info(
-        "Splitting kv_cache_memory_bytes (%s GiB) across %d pipeline stages by "
-        "KV bytes per block: %s GiB, %d blocks on every stage.",
+        "Splitting kv_cache_memory_bytes (%s GiB) across %d pipeline stages: "
+        "%s GiB, %d blocks on every stage.",
         format_gib(budget),
         pp_size,
-        ", ".join(format_gib(num_blocks * b) for b in stage_bytes),
-        num_blocks,
+        ", ".join(format_gib(share) for share in shares),
+        shares[0] // stage_bytes[0],
     )
-    return [num_blocks * b for b in bytes_per_block]
+    return [shares[worker // per_stage] for worker in range(len(kv_cache_specs))]
 '''
 
 
@@ -130,7 +172,7 @@ def _planner_edit(path: str, bytes_per_block: str) -> Edit:
         " and\n",
         f"""\
     # With `enable_pp_prop_kv_cache`, `kv_cache_memory_bytes` is one budget for
-    # the pipeline: each stage gets a share in proportion to its bytes per block.
+    # the pipeline, split so that every stage holds the same number of blocks.
     if vllm_config.cache_config.enable_pp_prop_kv_cache:
         if override is not None:
             logger.warning(
@@ -140,6 +182,7 @@ def _planner_edit(path: str, bytes_per_block: str) -> Edit:
         else:
             available_memory = _split_kv_budget_across_pp_stages(
                 vllm_config,
+                kv_cache_specs,
                 [
                     {_conditional(bytes_per_block)}
                     for groups, worker_spec in zip(
@@ -196,13 +239,10 @@ def _changes(planner: str, bytes_per_block: str, before_planner: str) -> list:
         ),
         _planner_edit(planner, bytes_per_block),
         Edit(planner, before_planner, _SPLIT + "\n\n", where="before"),
+        NewFile(ENGINE_TEST, FILES / SLUG / ENGINE_TEST),
         NewFile(
-            "tests/v1/e2e/test_kv_cache_budget_engine.py",
-            FILES / SLUG / "tests/v1/e2e/test_kv_cache_budget_engine.py",
-        ),
-        NewFile(
-            "tests/v1/core/test_pp_kv_budget.py",
-            FILES / SLUG / "tests/v1/core/test_pp_kv_budget.py",
+            UNIT_TEST,
+            FILES / SLUG / UNIT_TEST,
             renames=(("vllm.v1.core.kv_cache_planning", module),),
         ),
     ]

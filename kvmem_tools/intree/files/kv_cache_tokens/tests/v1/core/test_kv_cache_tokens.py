@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """KV cache sized in tokens (`kv_cache_tokens`)."""
 
+import inspect
 from dataclasses import replace
 from unittest.mock import patch
 
@@ -22,6 +23,8 @@ from vllm.v1.core.kv_cache_utils import (
     update_kv_cache_capacity,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+pytestmark = pytest.mark.cpu_test
 
 MiB = 1 << 20
 TiB = 1 << 40
@@ -155,6 +158,15 @@ def test_a_stage_without_kv_cache_layers_is_refused(model):
         _plan(model, 3000, [_layers(0, 8), {}], [TiB] * 2)
 
 
+def test_no_override_is_logged(model):
+    planner = inspect.getmodule(get_kv_cache_configs)
+    with patch.object(planner, "logger") as logger:
+        _plan(model, 3000, [_layers(0, 8)], [TiB])
+    logged = [call.args[0] for call in logger.info.call_args_list]
+    assert not [m for m in logged if "num_gpu_blocks_override" in m]
+    assert [m for m in logged if m.startswith("kv_cache_tokens=")]
+
+
 def test_capacity_log_says_the_tokens_after_the_null_block(model):
     config, (kv_cache_config,) = _plan(model, 3000, [_layers(0, 8)], [TiB])
     with patch.object(kv_cache_utils, "logger") as logger:
@@ -172,7 +184,6 @@ def test_capacity_log_says_the_tokens_after_the_null_block(model):
     [
         {"kv_cache_memory_bytes": 1 << 30},
         {"num_gpu_blocks_override": 100},
-        {"enable_pp_prop_kv_cache": True},
     ],
 )
 def test_other_ways_to_size_the_cache_are_refused(other):

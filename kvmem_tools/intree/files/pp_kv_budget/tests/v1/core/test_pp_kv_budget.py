@@ -3,13 +3,25 @@
 """Pipeline-proportional KV cache budget (`enable_pp_prop_kv_cache`)."""
 
 import pytest
+import torch
 
 from vllm.config import CacheConfig, ParallelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.core.kv_cache_planning import _split_kv_budget_across_pp_stages
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+pytestmark = pytest.mark.cpu_test
 
 MiB = 1 << 20
+SPEC = FullAttentionSpec(
+    block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+)
+
+
+def _specs(stages: list[int]) -> list[dict]:
+    """One spec dict a worker, holding its stage's layer."""
+    return [{f"layers.{stage}": SPEC} for stage in stages]
 
 
 def _config(budget: int, pp: int = 2, tp: int = 1) -> VllmConfig:
@@ -34,8 +46,9 @@ def _config(budget: int, pp: int = 2, tp: int = 1) -> VllmConfig:
 def test_shares_follow_bytes_per_block(bytes_per_block, tp):
     budget = 64 * MiB
     config = _config(budget, tp=tp)
+    stages = [w // tp for w in range(len(bytes_per_block))]
     memory = _split_kv_budget_across_pp_stages(
-        config, bytes_per_block, [budget] * len(bytes_per_block)
+        config, _specs(stages), bytes_per_block, [budget] * len(bytes_per_block)
     )
     blocks = {m // b for m, b in zip(memory, bytes_per_block)}
     assert len(blocks) == 1  # the same block count on every stage
@@ -48,15 +61,25 @@ def test_shares_follow_bytes_per_block(bytes_per_block, tp):
 def test_a_stage_without_kv_cache_layers_is_refused():
     with pytest.raises(ValueError, match=r"pipeline stage\(s\) \[1\] hold no KV"):
         _split_kv_budget_across_pp_stages(
-            _config(64 * MiB), [64 * 1024, 0], [64 * MiB] * 2
+            _config(64 * MiB), _specs([0, 1]), [64 * 1024, 0], [64 * MiB] * 2
+        )
+
+
+def test_workers_out_of_stage_order_are_refused():
+    # TP 2 x PP 2 with the ranks tensor-parallel-major.
+    with pytest.raises(RuntimeError, match="stage-major .* worker 1 does not hold"):
+        _split_kv_budget_across_pp_stages(
+            _config(64 * MiB, tp=2),
+            _specs([0, 1, 0, 1]),
+            [6 * 1024, 2 * 1024] * 2,
+            [64 * MiB] * 4,
         )
 
 
 def test_attention_free_model_keeps_its_memory():
-    assert _split_kv_budget_across_pp_stages(_config(64 * MiB), [0, 0], [5, 7]) == [
-        5,
-        7,
-    ]
+    config = _config(64 * MiB)
+    memory = _split_kv_budget_across_pp_stages(config, [{}, {}], [0, 0], [5, 7])
+    assert memory == [5, 7]
 
 
 def test_requires_kv_cache_memory_bytes():

@@ -1,0 +1,107 @@
+"""[Bugfix][CPU] CPU MLA backends declare their KV cache layouts.
+
+``CPU_MLA`` and ``AMX_MLA`` declared no layouts, which vLLM reads as "any":
+a connector requiring BLHNC got it and the first forward pass failed. They
+now declare their layer-outer layouts. Its own PR (it was carried by the
+CPU_ATTN layout PR before): a fix for another backend, needed with or
+without that PR. Its test joins the CPU-Kernel Tests step of ``.buildkite``.
+"""
+
+from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.patches.cpu_attn_block_outer import ci_edits
+from kvmem_tools.intree.pr_text import Answer, pr_text
+from kvmem_tools.intree.series import FILES, InTreePatch
+
+SLUG = "cpu_mla_kv_cache_layouts"
+TEST = "tests/v1/attention/test_cpu_mla_kv_cache_layout.py"
+
+MESSAGE = pr_text(
+    overview="""\
+`CPU_MLA` and `AMX_MLA` declare their layer-outer KV cache layouts instead
+of none, so a KV connector requiring `BLHNC` falls back to `LBNHC` with
+vLLM's warning instead of crashing in the first forward pass.""",
+    claims=[
+        "Fixes `view size is not compatible with input tensor's size and "
+        "stride` in `CPUMLAImpl.do_kv_cache_update` under a connector whose "
+        "`get_required_kvcache_layout()` is `BLHNC`.",
+        "`VLLM_KV_CACHE_LAYOUT=BLHNC` with a CPU MLA model now fails at "
+        "startup, naming the valid layouts.",
+    ],
+    validation=f"""\
+On CPU (AVX-512, no AMX), vLLM 0.32.0 and 0.33.0:
+
+- `pytest {TEST}`: 2 passed (both backends): the declared layouts are
+  layer-compact; `LBNHC` by default and for a connector requiring `BLHNC`;
+  the env var is refused.
+- Reproducer: DeepSeek-V2 (2 layers, random weights) on `CPU_MLA` with a
+  connector requiring `BLHNC`. Before: `Using BLHNC KV cache layout.`, then
+  the view error in the first forward. After: `KV connector cache layout
+  BLHNC does not satisfy every supported set; valid layouts: ['LBNHC',
+  'LBHNC', 'LHBNC']. Using LBNHC instead.`, and greedy output equal to the
+  run without a connector, token for token.""",
+    details="""\
+Root cause: `supported_kv_cache_layouts()` returning `None` means "any
+layout" to `resolve_kv_cache_layout`, but both MLA backends view a layer's
+cache as contiguous `[num_blocks * block_size, head_size]` rows
+(`kv_cache.view(-1, ...)`), which holds only when a layer's blocks are
+adjacent: layer-outer layouts. With one latent head `LBNHC`, `LBHNC` and
+`LHBNC` are the same bytes; `LBNHC` stays first, so nothing changes for
+anyone who does not ask for a layout. `AMX_MLA` is covered by the
+declaration and resolution test only (no AMX host here).""",
+    duplicates="""\
+no open PR we know of touches the CPU MLA layout declaration. The `gh`
+searches of AGENTS.md are for the submitter to rerun before opening.""",
+    design_fit=Answer(True, "A declaration on each backend; no logic added."),
+    testing=Answer(
+        False,
+        "Resolution tests in the CPU-Kernel Tests step; the crash reproducer "
+        "is an engine run outside CI, and AMX_MLA is not run (no AMX host).",
+    ),
+    code_quality=Answer(True, "One comment says why only layer-outer layouts."),
+    contents=Answer(True, "Root cause, reproducer before and after, limits."),
+)
+
+_MLA = """
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # A layer's cache is viewed as contiguous [num_blocks * block_size,
+        # head_size] rows, so its blocks must be adjacent: layer-outer layouts
+        # only. With one latent head these three are the same bytes.
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.LHBNC)
+"""
+
+_BACKENDS = "vllm/v1/attention/backends/mla/"
+_IMPORT = "from vllm.v1.kv_cache_interface import KVCacheLayout\n"
+
+
+def _changes() -> list:
+    return [
+        Edit(_BACKENDS + "cpu_mla.py", "    MultipleOf,\n)\n", _IMPORT),
+        Edit(
+            _BACKENDS + "cpu_mla.py",
+            "    def supports_block_size(cls, block_size: int | None) -> bool:\n"
+            "        return block_size is None or block_size == 16\n",
+            _MLA,
+        ),
+        Edit(
+            _BACKENDS + "amx_mla.py",
+            "from vllm.v1.attention.backend import AttentionLayer, AttentionType, "
+            "MultipleOf\n",
+            _IMPORT,
+        ),
+        Edit(_BACKENDS + "amx_mla.py", "        return block_size % 32 == 0\n", _MLA),
+        NewFile(TEST, FILES / SLUG / TEST),
+        *ci_edits(
+            TEST,
+            "tests/kernels/attention/test_amx_mla.py",
+            _BACKENDS + "cpu_mla.py",
+        ),
+    ]
+
+
+PATCH = InTreePatch(
+    slug=SLUG,
+    subject="[Bugfix][CPU] Declare the CPU MLA KV cache layouts",
+    message=MESSAGE,
+    changes={"0.32": _changes(), "0.33": _changes()},
+)
