@@ -226,9 +226,9 @@ def test_a_moved_anchor_fails_naming_patch_file_and_anchor(tmp_path):
 
 
 def test_the_033_series_from_the_wheel_is_the_same(wheel_033, vllm033_python, tmp_path):
-    """`kvmem upstream --vllm-src vllm-0.33.0-*.whl` writes, byte for byte, the
-    series written against the 0.33 environment's files (which are the
-    wheel's for every file the series touches)."""
+    """`python -m kvmem_tools.intree --vllm-src vllm-0.33.0-*.whl` writes,
+    byte for byte, the series written against the 0.33 environment's files
+    (which are the wheel's for every file the series touches)."""
     _v, from_wheel = intree.write_series(tmp_path / "wheel", wheel_033.root)
     _v, from_env = intree.write_series(tmp_path / "env", site_033())
     assert [p.read_bytes() for p in from_wheel] == [p.read_bytes() for p in from_env]

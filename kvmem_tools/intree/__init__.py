@@ -1,5 +1,5 @@
 """The in-tree feature branch: vllm-kvmem's features as a patch series for
-vLLM's own tree, one reviewable PR per patch (``kvmem upstream``).
+vLLM's own tree, one reviewable PR per patch (``python -m kvmem_tools.intree``).
 
 Each patch (``patches/``) holds the code as vLLM's engineers would write it:
 anchored edits of vLLM's own modules and the files it adds (``files/``,
