@@ -17,7 +17,9 @@ PAGE_BYTES = 256
 LAYERS = ["layer.0", "layer.1"]
 
 
-def _worker(num_cpu_blocks: int, **kwargs) -> tuple[SimpleCPUOffloadWorker, torch.Tensor]:
+def _worker(
+    num_cpu_blocks: int, **kwargs
+) -> tuple[SimpleCPUOffloadWorker, torch.Tensor]:
     """A worker on a layer-outermost KV cache of two layers, and that cache."""
     config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,

@@ -86,15 +86,18 @@ def _kv_cache_config(num_blocks: int) -> KVCacheConfig:
     )
 
 
-def _lazy(vllm_config: VllmConfig) -> tuple[SimpleCPUOffloadScheduler, BlockPool]:
-    """A lazy-mode manager with room for 16 CPU blocks, on a real BlockPool."""
+def _manager(
+    vllm_config: VllmConfig, lazy: bool = True
+) -> tuple[SimpleCPUOffloadScheduler, BlockPool]:
+    """A manager with room for 16 CPU blocks (lazy mode unless ``lazy`` is
+    False), on a real BlockPool."""
     manager = SimpleCPUOffloadScheduler(
         vllm_config,
         _kv_cache_config(NUM_GPU_BLOCKS),
         cpu_capacity_bytes=16 * PAGE_BYTES,
         scheduler_block_size=BLOCK_SIZE,
         hash_block_size=BLOCK_SIZE,
-        lazy_offload=True,
+        lazy_offload=lazy,
     )
     pool = BlockPool(NUM_GPU_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
     manager.bind_gpu_block_pool(pool)
@@ -133,7 +136,7 @@ def _cpu_hit(manager: SimpleCPUOffloadScheduler, tag: int) -> int:
 
 
 def test_block_evicted_before_the_cursor_is_spilled_with_its_keys(vllm_config):
-    manager, pool = _lazy(vllm_config)
+    manager, pool = _manager(vllm_config)
     evicted = _computed_and_freed(pool, _request(1))
     # Allocated in the same pass, before the walk: all of request 1's blocks.
     pool.get_new_blocks(pool.get_num_free_blocks())
@@ -148,7 +151,7 @@ def test_block_evicted_before_the_cursor_is_spilled_with_its_keys(vllm_config):
 
 
 def test_blocks_the_cursor_stored_are_not_spilled_again(vllm_config):
-    manager, pool = _lazy(vllm_config)
+    manager, pool = _manager(vllm_config)
     stored = _computed_and_freed(pool, _request(2))
     meta = _step(manager)  # the walk reaches them
     assert sorted(meta.store_gpu_blocks) == sorted(stored)
@@ -165,7 +168,7 @@ def test_blocks_the_cursor_stored_are_not_spilled_again(vllm_config):
 
 
 def test_reset_drops_recorded_evictions(vllm_config):
-    manager, pool = _lazy(vllm_config)
+    manager, pool = _manager(vllm_config)
     _computed_and_freed(pool, _request(3))
     pool.get_new_blocks(pool.get_num_free_blocks())
     assert manager.reset()
@@ -174,36 +177,16 @@ def test_reset_drops_recorded_evictions(vllm_config):
 
 
 def test_eager_mode_records_nothing(vllm_config):
-    manager = SimpleCPUOffloadScheduler(
-        vllm_config,
-        _kv_cache_config(NUM_GPU_BLOCKS),
-        cpu_capacity_bytes=16 * PAGE_BYTES,
-        scheduler_block_size=BLOCK_SIZE,
-        hash_block_size=BLOCK_SIZE,
-    )
-    pool = BlockPool(NUM_GPU_BLOCKS, enable_caching=True, hash_block_size=BLOCK_SIZE)
-    manager.bind_gpu_block_pool(pool)
+    _, pool = _manager(vllm_config, lazy=False)
     assert pool.evicted_cached_blocks is None
 
 
 def test_worker_copies_spills_before_the_forward():
-    num_blocks, page = 8, 256
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=num_blocks * page,
-                layers=["layer.0"],
-                layer_stride=num_blocks * page,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[],
-    )
-    worker = SimpleCPUOffloadWorker(None, config, 4 * page)
-    kv = torch.randint(-128, 127, (num_blocks * page,)).to(torch.int8)
+    config = _kv_cache_config(NUM_GPU_BLOCKS)
+    worker = SimpleCPUOffloadWorker(None, config, 4 * PAGE_BYTES)
+    kv = torch.randint(-128, 127, (NUM_GPU_BLOCKS * PAGE_BYTES,)).to(torch.int8)
     worker.register_kv_caches({"layer.0": kv})
-    kv = kv.view(num_blocks, page)
+    kv = kv.view(NUM_GPU_BLOCKS, PAGE_BYTES)
     worker.handle_preemptions(
         SimpleCPUOffloadMetadata(spill_gpu_blocks=[5, 2], spill_cpu_blocks=[0, 3])
     )
