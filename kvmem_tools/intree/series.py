@@ -22,7 +22,13 @@ from kvmem_tools.vllm_sources import SourceTree
 
 FILES = Path(__file__).resolve().parent / "files"
 #: The patches, in series order (modules of ``kvmem_tools.intree.patches``).
-ORDER = ("pp_kv_budget", "kv_cache_tokens", "cpu_attn_block_outer", "host_kv_tier")
+ORDER = (
+    "pp_kv_budget",
+    "kv_cache_tokens",
+    "cpu_attn_block_outer",
+    "simple_cpu_offload_cpu",
+    "simple_cpu_offload_late_spill",
+)
 #: Author and date of every commit: the series is the same bytes for the same
 #: tree.
 GIT_ENV = {
