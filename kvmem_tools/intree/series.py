@@ -43,7 +43,8 @@ ORDER = (
     "kv_cache_tokens",
     "cpu_attn_block_outer",
     "cpu_mla_kv_cache_layouts",
-    "host_kv_tier",
+    "simple_cpu_offload_cpu",
+    "simple_cpu_offload_late_spill",
 )
 #: Author and date of every commit: the series is the same bytes for the same
 #: tree.
