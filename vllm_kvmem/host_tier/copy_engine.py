@@ -199,6 +199,28 @@ def _slot_runs(
     return out
 
 
+def _pool_copies(
+    direction: Direction,
+    staging: torch.Tensor,
+    host_pool: torch.Tensor,
+    slots: list[int],
+    slot_runs: list[tuple[int, int]],
+    copy: Callable[[torch.Tensor, torch.Tensor], None],
+) -> int:
+    """One copy per run of slots between the staging rows and the pool: out
+    of the pool before a load's scatter, into it after a save's gather;
+    ``slot_runs`` as positions in ``slots``, which the staging rows follow."""
+    for start, count in slot_runs:
+        slot0 = slots[start]
+        rows = staging[start : start + count]
+        host = host_pool[slot0 : slot0 + count]
+        if direction == "save":
+            copy(host, rows)
+        else:
+            copy(rows, host)
+    return len(slot_runs)
+
+
 class PageGather:
     """The ``gather`` path of a :class:`BlockCopyEngine`: every layer of the
     requested blocks in one ``index_select`` per view into a staging buffer
@@ -267,13 +289,9 @@ class PageGather:
                     (m, self.views.slot), dtype=self.views.dtype, device=self.device
                 )
             if direction == "load" and not in_place:
-                for start, count in slot_runs:
-                    slot0 = part_slots[start]
-                    copy(
-                        staging[start : start + count],
-                        host_pool[slot0 : slot0 + count],
-                    )
-                    num_ops += 1
+                num_ops += _pool_copies(
+                    direction, staging, host_pool, part_slots, slot_runs, copy
+                )
             for view, host_offset, row_shape in self._gather_views:
                 width = math.prod(row_shape)
                 rows = staging[:, host_offset : host_offset + width]
@@ -286,13 +304,9 @@ class PageGather:
                     view.index_put_((index,), rows)
                 num_ops += 1
             if direction == "save" and not in_place:
-                for start, count in slot_runs:
-                    slot0 = part_slots[start]
-                    copy(
-                        host_pool[slot0 : slot0 + count],
-                        staging[start : start + count],
-                    )
-                    num_ops += 1
+                num_ops += _pool_copies(
+                    direction, staging, host_pool, part_slots, slot_runs, copy
+                )
         return num_ops
 
 
