@@ -90,20 +90,20 @@ from _transfer_report import (  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 try:
-    from vllm_kvmem.host_tier.copy_engine import (  # noqa: E402
+    from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine  # noqa: E402
+    from vllm_kvmem.host_tier.copy_strategy import (  # noqa: E402
         BATCH_BELOW_BLOCK_BYTES,
-        BlockCopyEngine,
-        HostBlockPool,
-        KVRegion,
     )
+    from vllm_kvmem.host_tier.host_pool import HostBlockPool  # noqa: E402
+    from vllm_kvmem.host_tier.kv_region import KVRegion  # noqa: E402
 except ImportError:  # run from a checkout that is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from vllm_kvmem.host_tier.copy_engine import (  # noqa: E402
+    from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine  # noqa: E402
+    from vllm_kvmem.host_tier.copy_strategy import (  # noqa: E402
         BATCH_BELOW_BLOCK_BYTES,
-        BlockCopyEngine,
-        HostBlockPool,
-        KVRegion,
     )
+    from vllm_kvmem.host_tier.host_pool import HostBlockPool  # noqa: E402
+    from vllm_kvmem.host_tier.kv_region import KVRegion  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

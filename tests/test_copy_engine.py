@@ -17,12 +17,7 @@ import pytest
 import torch
 
 from tests.copy_checks import CASES, round_trip
-from vllm_kvmem.host_tier.copy_engine import (
-    BlockCopyEngine,
-    HostBlockPool,
-    KVRegion,
-    host_slot_bytes,
-)
+from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine
 from vllm_kvmem.host_tier.copy_strategy import (
     AUTO_GATHER_MAX_STAGING_BYTES,
     BATCH_BELOW_BLOCK_BYTES,
@@ -30,6 +25,8 @@ from vllm_kvmem.host_tier.copy_strategy import (
     gather_min_copies,
     plan_strategy,
 )
+from vllm_kvmem.host_tier.host_pool import HostBlockPool
+from vllm_kvmem.host_tier.kv_region import KVRegion, host_slot_bytes
 
 kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 kv_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")

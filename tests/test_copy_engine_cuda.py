@@ -45,18 +45,13 @@ import pytest
 import torch
 
 from tests.copy_checks import CASES, random_bytes, round_trip
-from vllm_kvmem.host_tier.copy_engine import (
-    BlockCopyEngine,
-    CopyJob,
-    HostBlockPool,
-    KVRegion,
-    host_slot_bytes,
-)
+from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine, CopyJob
 from vllm_kvmem.host_tier.copy_strategy import (
     BATCH_BELOW_BLOCK_BYTES,
     gather_min_copies,
 )
-from vllm_kvmem.host_tier.host_pool import TORCH_CUDART_BINDINGS
+from vllm_kvmem.host_tier.host_pool import TORCH_CUDART_BINDINGS, HostBlockPool
+from vllm_kvmem.host_tier.kv_region import KVRegion, host_slot_bytes
 from vllm_kvmem.host_tier.wait_timer import StreamWaitTimer
 
 CUDA = torch.cuda.is_available()

@@ -27,12 +27,13 @@ import torch
 
 from tests.helpers import captured_log
 from vllm_kvmem.host_tier import host_pool
-from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine, KVRegion
+from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine
 from vllm_kvmem.host_tier.host_pool import (
     TORCH_CUDART_BINDINGS,
     HostBlockPool,
     registration_bytes,
 )
+from vllm_kvmem.host_tier.kv_region import KVRegion
 
 PAGE = mmap.PAGESIZE
 ERROR = 2  # cudaErrorMemoryAllocation

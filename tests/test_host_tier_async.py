@@ -106,7 +106,7 @@ def test_host_hit_loads_in_bounded_chunks_while_others_decode(
     assert a_tokens == list(range(2, len(a_tokens) + 2))
     assert b_out.num_cached_tokens == 7 * 128
     assert b_out.outputs[0].token_ids == first[0].outputs[0].token_ids
-    assert tier.index.pinned_slots == 0 and not tier._inflight_loads
+    assert tier.index.pinned_slots == 0 and not tier.loads.inflight
 
 
 def test_hit_within_the_step_budget_runs_in_the_same_step(
@@ -130,7 +130,7 @@ def test_hit_within_the_step_budget_runs_in_the_same_step(
     assert len(outs["B1"].outputs[0].token_ids) == 1
     (b2_id,) = _internal_ids(sched, "B2")
     assert sched.requests[b2_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert tier._load_queue[b2_id].pairs  # six blocks still queued
+    assert tier.loads.queue[b2_id].pairs  # six blocks still queued
     while engine.has_unfinished_requests():
         for out in engine.step():
             outs[out.request_id] = out
@@ -140,7 +140,7 @@ def test_hit_within_the_step_budget_runs_in_the_same_step(
     for name, doc in (("B1", first[0]), ("B2", first[1])):
         assert outs[name].num_cached_tokens == 7 * 128
         assert outs[name].outputs[0].token_ids == doc.outputs[0].token_ids
-    assert tier.index.pinned_slots == 0 and not tier._inflight_loads
+    assert tier.index.pinned_slots == 0 and not tier.loads.inflight
 
 
 def test_blocks_are_copied_ahead_once_and_eviction_moves_nothing(
@@ -224,7 +224,7 @@ def test_abort_while_loads_are_queued_releases_everything(
     engine.step()  # the first chunk of its loads is handed out
     assert sum(len(c.blocks) for c in metas[-1].loads) == 1
     (victim,) = _internal_ids(sched, "victim")
-    assert victim in tier._load_queue  # the rest waits
+    assert victim in tier.loads.queue  # the rest waits
     engine.abort_request(["victim"])
     for _ in range(20):  # bounded: the cancelled load reports within a step
         if not engine.has_unfinished_requests() and not _internal_ids(sched, "victim"):
@@ -232,7 +232,7 @@ def test_abort_while_loads_are_queued_releases_everything(
         engine.step()
     assert not _internal_ids(sched, "victim")
     assert tier.index.pinned_slots == 0
-    assert not tier._load_queue and not tier._inflight_loads and not tier._matched
+    assert not tier.loads.queue and not tier.loads.inflight and not tier.matcher.matched
     assert pool.get_num_free_blocks() == free
     # Only one chunk was copied, and the same prefix is still served.
     assert sum(sum(len(c.blocks) for c in m.loads) for m in metas) == 1

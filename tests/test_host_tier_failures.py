@@ -112,4 +112,4 @@ def test_failed_loads_are_recomputed(model_8l, in_process, after_copies):
     assert worker.totals["load_errors"] >= 1
     for a, b in zip(first, again):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert tier.index.pinned_slots == 0 and not tier._inflight_loads
+    assert tier.index.pinned_slots == 0 and not tier.loads.inflight

@@ -150,7 +150,7 @@ def test_sliding_window_hit_loads_only_the_window_vllm_allocates():
     full = [pool.blocks[10 + i] for i in range(8)]
     window = [pool.null_block] * 6 + [pool.blocks[30], pool.blocks[31]]
     tier.update_state_after_alloc(request, KVCacheBlocks((full, window)), got)
-    (chunk,) = tier._sync_loads
+    (chunk,) = tier.loads.sync_loads
     assert chunk.blocks == [b.block_id for b in full] + [30, 31]
     slot = {
         (g, p): tier.index.slot_of(make_block_hash_with_group_id(hashes[p], g))
@@ -178,7 +178,7 @@ def test_shorter_hit_than_offered_loads_its_own_window():
     # A 6-block hit: the window needs blocks 3..5; the host holds only 5.
     window = [pool.null_block] * 3 + [pool.blocks[40], pool.blocks[41], pool.blocks[42]]
     tier.update_state_after_alloc(request, KVCacheBlocks((full, window)), 6 * BS)
-    (chunk,) = tier._sync_loads
+    (chunk,) = tier.loads.sync_loads
     assert chunk.invalid == [40, 41]
     assert chunk.blocks == [b.block_id for b in full] + [42]
     assert tier.index.pinned_slots == len(chunk.slots) == 7

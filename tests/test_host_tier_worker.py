@@ -189,11 +189,9 @@ def test_worker_meta_takes_the_slowest_worker():
 def test_cpu_engine_jobs_are_done_on_return(worker, conn):
     import torch
 
-    from vllm_kvmem.host_tier.copy_engine import (
-        BlockCopyEngine,
-        HostBlockPool,
-        KVRegion,
-    )
+    from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine
+    from vllm_kvmem.host_tier.host_pool import HostBlockPool
+    from vllm_kvmem.host_tier.kv_region import KVRegion
 
     kv = torch.arange(16 * 2 * 64, dtype=torch.float32).view(16, 2, 64)
     region = KVRegion.from_views([kv[:, 0], kv[:, 1]])

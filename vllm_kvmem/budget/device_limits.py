@@ -102,7 +102,7 @@ def staging_reserve_bytes(vllm_config: Any) -> int:
         return 0
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vllm_kvmem.host_tier.copy_engine import (
+    from vllm_kvmem.host_tier.copy_strategy import (
         AUTO_GATHER_MAX_STAGING_BYTES,
         staging_reserve,
     )

@@ -35,7 +35,8 @@ Where each part lives:
 - ``metadata``: what the scheduler tells the workers each step and what they
   answer; ``stats``: the counters and gauges, and their /metrics names;
 - free of vLLM: ``host_index`` (slots by block hash), ``copy_engine`` (block
-  copies) and ``copy_strategy`` (direct or gather, and its staging),
+  copies), ``copy_strategy`` (direct or gather, and its staging),
+  ``block_views`` (the views the copies read and write),
   ``host_pool`` (pinned host memory), ``kv_region`` (where a block's bytes
   live), ``wait_timer`` (the compute stream's waits on copies).
 

@@ -226,25 +226,3 @@ class HostTierScheduler(CountsStats):
     def shutdown(self) -> None:
         if self.enabled:
             self.free_queue.shadow = {}
-
-    # The parts' state under the names it had on this class (tests read it).
-
-    @property
-    def _matched(self) -> dict[str, Any]:
-        return self.matcher.matched
-
-    @property
-    def _lookups(self) -> dict[str, tuple[int, int]]:
-        return self.matcher.lookups
-
-    @property
-    def _sync_loads(self) -> list[Any]:
-        return self.loads.sync_loads
-
-    @property
-    def _load_queue(self) -> dict[str, Any]:
-        return self.loads.queue
-
-    @property
-    def _inflight_loads(self) -> dict[str, Any]:
-        return self.loads.inflight

@@ -64,12 +64,13 @@ class HostTierWorker(CountsStats):
             return
         import torch
 
-        from vllm_kvmem.host_tier.copy_engine import (
-            BlockCopyEngine,
-            HostBlockPool,
+        from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine
+        from vllm_kvmem.host_tier.host_pool import HostBlockPool
+        from vllm_kvmem.host_tier.kv_region import (
             KVRegion,
+            distinct_regions,
+            layer_page_bytes,
         )
-        from vllm_kvmem.host_tier.kv_region import distinct_regions, layer_page_bytes
 
         cfg = self._kv_cache_config
         pages = layer_page_bytes(cfg)
