@@ -175,6 +175,8 @@ HOST_TIER_VLLM_FREE = (
     "host_index",
     "kv_region",
     "host_pool",
+    "copy_strategy",
+    "block_views",
     "copy_engine",
     "wait_timer",
 )
