@@ -16,10 +16,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from stage2 import Runner
+
+class Runner(Protocol):
+    """What these items use of stage 2's ``Runner``: where it works, logs and
+    writes, and the arguments it passes each script."""
+
+    work: Path
+    out: Path
+    logs: Path
+    ab_args: str
+    real_args: str
+
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
