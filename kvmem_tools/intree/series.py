@@ -70,6 +70,9 @@ class InTreePatch:
     subject: str
     message: str
     changes: dict[str, list[Edit | NewFile]] = field(default_factory=dict)
+    #: The PRs of the series this one is stacked on (it edits their code),
+    #: written with it wherever it is written alone.
+    builds_on: tuple[str, ...] = ()
 
     def for_series(self, series: str) -> list[Edit | NewFile]:
         if series not in self.changes:
@@ -184,8 +187,9 @@ def write_series(
     holding ``vllm/``, or a wheel; default: the installed vLLM) into ``out``.
     ``only``: the patches (modules of :data:`ORDER`) to write, each then made
     against the tree as the patches it leaves out would not change it (one
-    PR alone: ``only=[name]``). Returns the tree's vLLM version and the patch
-    files, in order; what was left out goes to ``notes``."""
+    PR alone: ``only=[name]``, with the PRs it builds on). Returns the tree's
+    vLLM version and the patch files, in order; what was left out goes to
+    ``notes``."""
     notes = [] if notes is None else notes
     unknown = set(only or ()) - set(ORDER)
     if unknown:
@@ -196,7 +200,11 @@ def write_series(
     if version is None:
         raise ValueError(f"{tree}: no vllm/_version.py")
     series = series_of(version)
-    every = [p for name, p in zip(ORDER, patches()) if not only or name in only]
+    wanted = set(only or ORDER)
+    for name, p in reversed(list(zip(ORDER, patches()))):
+        if name in wanted:
+            wanted.update(p.builds_on)
+    every = [p for name, p in zip(ORDER, patches()) if name in wanted]
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvmem-intree-") as tmp:
         repo = Path(tmp)

@@ -29,8 +29,9 @@ that the allocator hands out before the cursor's walk reaches it. This PR
 stores those blocks too ("late spills"): `BlockPool` keeps an opt-in record
 of the cached blocks `get_new_blocks` evicts, and the worker copies them out
 in `handle_preemptions`, before the forward overwrites them. Second PR of
-the series (RFC: "Lazy CPU offload: what it lacks"); needs the CPU-platform
-PR only for its CPU validation.
+the series (RFC: "Lazy CPU offload: what it lacks"), stacked on the
+CPU-platform PR: it extends that PR's worker code, and its CPU validation
+runs on it.
 """,
     claims=[
         (
@@ -328,4 +329,5 @@ PATCH = InTreePatch(
     subject="[KV Offload] Late spills for lazy CPU offload",
     message=MESSAGE,
     changes={"0.32": _changes(), "0.33": _changes()},
+    builds_on=("simple_cpu_offload_cpu",),
 )
