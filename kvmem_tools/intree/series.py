@@ -43,7 +43,7 @@ ORDER = (
     "kv_cache_tokens",
     "cpu_attn_block_outer",
     "cpu_mla_kv_cache_layouts",
-    "simple_cpu_offload_cpu",
+    "mrv2_preemptions_first",
     "simple_cpu_offload_late_spill",
 )
 #: Author and date of every commit: the series is the same bytes for the same
