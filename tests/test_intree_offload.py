@@ -2,7 +2,12 @@
 SimpleCPUOffloadConnector in lazy mode, with the series applied and no
 plugin, serves at least the host hit rate of the plugin's host tier on the
 same CPU workload, with greedy output equal to no offload; without the late
-spills PR (the CPU PR alone) it falls short. On vLLM 0.32 and 0.33.
+spills PR it falls short. On vLLM 0.32 and 0.33.
+
+The CPU build cannot run SimpleCPUOffloadConnector as vLLM ships it (CUDA
+streams, pinning, batched memcpy): both vLLM trees get
+``kvmem_tools.intree.cpu_scaffolding``, a synchronous copy path that stands in
+for the GPU this machine lacks. It is test scaffolding, not a PR.
 
 Workload: a 12-block device cache (11 usable), at most 2 requests at once,
 prompts of 3 blocks and a bit. Round 1 sends prompts 0-3 in one batch: when
@@ -12,9 +17,9 @@ other prompts, which evict the rest; round 3 sends prompts 0-3 again, whose
 prefixes can then only come from host memory.
 
 Per release, three processes (an engine start is ~2 s, a process ~10 s): the
-series' vLLM with no plugin (no offload, then lazy offload), vLLM with the
-CPU PR alone (lazy offload), and the release's vLLM with the plugin's
-connector. Run as a script, this file is that process's driver: it imports
+series' vLLM with no plugin (no offload, then lazy offload), the release's
+vLLM without the series (lazy offload), both with the scaffolding, and the
+release's vLLM with the plugin's connector. Run as a script, this file is that process's driver: it imports
 only vLLM.
 """
 
@@ -45,8 +50,6 @@ PLUGIN = {
     "kv_role": "kv_both",
     "kv_connector_extra_config": {"num_host_blocks": 64},
 }
-#: The PR whose tree, alone, is the "without late spills" arm.
-CPU_PR = "simple_cpu_offload_cpu"
 
 
 def run_arms(model: str, arms: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
@@ -111,6 +114,7 @@ def _run(python: str, model: Path, arms: dict, env: dict, cwd: Path) -> dict:
 @pytest.fixture(scope="module", params=["0.32", "0.33"])
 def arms(request, tmp_path_factory, model_8l) -> dict[str, Any]:
     """Every arm's results on one release."""
+    from kvmem_tools.intree import cpu_scaffolding
     from kvmem_tools.intree import series as intree
     from tests.helpers import ROOT, engine_env, no_plugin_shim, site_033
 
@@ -120,15 +124,15 @@ def arms(request, tmp_path_factory, model_8l) -> dict[str, Any]:
         python, src = request.getfixturevalue("vllm033_python"), site_033()
     tmp = tmp_path_factory.mktemp(f"offload{request.param.replace('.', '')}")
     _version, files = intree.write_series(tmp / "series", src)
-    cpu_pr_only = files[: intree.ORDER.index(CPU_PR) + 1]
     shim = no_plugin_shim(tmp / "shim")
     results: dict[str, Any] = {}
     for tree, patches, arms_here in (
         ("series", files, {"none": None, "lazy": LAZY}),
-        ("cpu_pr", cpu_pr_only, {"lazy_without_late_spills": LAZY}),
+        ("release", [], {"lazy_without_late_spills": LAZY}),
     ):
         copy = intree.copy_tree(src, tmp / tree)
         intree.apply_series(copy, patches)
+        cpu_scaffolding.apply(copy)
         env = engine_env(PYTHONPATH=f"{copy}{os.pathsep}{shim}", VLLM_PLUGINS="")
         results.update(_run(python, model_8l, arms_here, env, copy))
     env = engine_env(PYTHONPATH=str(ROOT))
