@@ -30,15 +30,19 @@ class LoadChunk:
 class HostTierMetadata(KVConnectorMetadata):
     """One step's copies, in the order the workers issue them.
 
-    Before the forward pass (``handle_preemptions``): wait for the background
-    saves of ``fence`` blocks (the step may overwrite them), copy
-    ``evict_saves`` synchronously (blocks evicted this step with no host copy
-    yet), then start ``ahead_saves`` in the background. Then
-    (``start_load_kv``, before the forward when any load is ``sync``, after
-    its launch otherwise): start ``loads``.
+    Before the forward pass (``handle_preemptions``): stop loading from
+    ``stale_slots``, wait for the background saves of ``fence`` blocks (the
+    step may overwrite them), copy ``evict_saves`` synchronously (blocks
+    evicted this step with no host copy yet), then start ``ahead_saves`` in
+    the background. Then (``start_load_kv``, before the forward when any load
+    is ``sync``, after its launch otherwise): start ``loads``.
     """
 
     seq: int = 0
+    # Slots whose background save raced a write the model runner made before
+    # handle_preemptions (V2): no longer on the host, never loaded from until
+    # a save writes them again.
+    stale_slots: list[int] = field(default_factory=list)
     fence: list[int] = field(default_factory=list)
     evict_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
     ahead_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)

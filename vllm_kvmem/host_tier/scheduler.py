@@ -65,6 +65,13 @@ class HostTierScheduler(CountsStats):
         # loads): one list, shared with the parts, released and cleared in
         # place by build_connector_meta.
         self._step_pins: list[int] = []
+        # Model Runner V2 (CUDA's default) writes into new blocks before the
+        # connector's handle_preemptions, V1 after (docs/host-kv-tier.md,
+        # "Writes into new blocks before the forward, per runner"); vLLM's
+        # scheduler reads the same property.
+        self.runner_writes_first = bool(
+            getattr(vllm_config, "use_v2_model_runner", False)
+        )
         if not self.enabled:
             logger.warning(
                 "Host KV tier off: %s; serving continues without it.", reason
@@ -144,9 +151,11 @@ class HostTierScheduler(CountsStats):
         if not self.enabled:
             return meta
         spills = self.spills
+        spills.overwritten = self._written_before_hooks(scheduler_output)
         if self._pool is not None:
             self.free_queue.find_evictions(scheduler_output, self._on_evicted)
         meta.fence = spills.fences(self._pool)
+        meta.stale_slots, spills.stale_slots = spills.stale_slots, []
         meta.evict_saves, spills.evict_saves = spills.evict_saves, []
         meta.ahead_saves = self.free_queue.walk(self._seq)
         meta.loads = self.loads.step_loads()
@@ -166,6 +175,20 @@ class HostTierScheduler(CountsStats):
             bytes_saved_at_eviction=len(meta.evict_saves) * self.pipeline_slot_bytes,
         )
         return meta
+
+    def _written_before_hooks(self, scheduler_output: Any) -> frozenset[int]:
+        """The blocks the workers' model runner writes this step before the
+        connector's handle_preemptions: on Model Runner V2, update_requests
+        zeroes ``new_block_ids_to_zero`` and applies the copy-on-write
+        ``kv_cache_block_copies`` first. None on V1, which calls the hook
+        first: its saves precede those writes."""
+        if not self.runner_writes_first:
+            return frozenset()
+        zeroed = scheduler_output.new_block_ids_to_zero
+        copies = scheduler_output.kv_cache_block_copies
+        if not zeroed and not copies:
+            return frozenset()
+        return frozenset(zeroed or ()).union(c.dst_block_id for c in copies or ())
 
     def update_connector_output(self, connector_output: Any) -> None:
         if not self.enabled:

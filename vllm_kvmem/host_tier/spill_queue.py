@@ -1,16 +1,23 @@
 """The host tier's saves: device blocks copied to host slots. Late spills (a
 block vLLM evicted before its background copy ran, saved before the forward
 pass that overwrites it), background saves in flight (a device block must
-not be overwritten before its save is done: fences), and saves a worker
-failed (their slots forgotten)."""
+not be overwritten before its save is done: fences), saves a worker failed
+(their slots forgotten), and saves the model runner would race: blocks it
+writes before the connector's ``handle_preemptions`` (Model Runner V2; see
+docs/host-kv-tier.md, "Writes into new blocks before the forward, per
+runner")."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from vllm.logger import init_logger
+
 from vllm_kvmem.host_tier.host_index import HostBlockIndex
 from vllm_kvmem.host_tier.metadata import HostTierMetadata, HostTierWorkerMeta
+
+logger = init_logger("vllm.kvmem.host_tier")
 
 
 class SpillQueue:
@@ -45,6 +52,14 @@ class SpillQueue:
         # slot -> step whose save last wrote it: a failure reported for that
         # step forgets the slot's block, a stale report (slot reused) nothing.
         self.save_step: dict[int, int] = {}
+        # Blocks the workers' model runner writes this step before the
+        # connector's handle_preemptions (set by the scheduler each step;
+        # empty on V1): a save of them would read the written bytes or race
+        # the write. And the slots of saves in flight that raced it (the
+        # workers must not load from them).
+        self.overwritten: frozenset[int] = frozenset()
+        self.stale_slots: list[int] = []
+        self._said_overwritten = False
 
     def late_spill(self, block_id: int, key: Any, covered: int | None) -> None:
         """vLLM handed the free cached block ``block_id``, which held ``key``
@@ -57,6 +72,11 @@ class SpillQueue:
             return  # copied ahead (a fence waits for it if still in flight)
         if self.drop_late:
             self._count(blocks_evicted_dropped=1)
+            return
+        if block_id in self.overwritten:
+            # Zeroed or a copy-on-write target before handle_preemptions:
+            # the copy would hold the new bytes, so the block is not indexed.
+            self._skipped_overwritten()
             return
         slot = self.index.put(key)
         if slot is not None:
@@ -72,7 +92,7 @@ class SpillQueue:
         if not self.ahead or pool is None:
             return []
         fence = []
-        for block_id, (key, _) in list(self.ahead.items()):
+        for block_id, (key, step) in list(self.ahead.items()):
             block = pool.blocks[block_id]
             if (
                 block.ref_cnt == 0
@@ -82,7 +102,32 @@ class SpillQueue:
                 continue
             fence.append(block_id)
             del self.ahead[block_id]
+            if block_id in self.overwritten:
+                # The runner's write is queued before the workers' wait for
+                # this save: the copy may hold either bytes. Forgotten, as a
+                # failed save is, and never loaded from.
+                slot = self.index.slot_of(key)
+                if slot is not None and self._forget(slot, step):
+                    self.stale_slots.append(slot)
+                    self._skipped_overwritten()
         return fence
+
+    def _skipped_overwritten(self) -> None:
+        """Count a block not kept on the host because the model runner writes
+        it first; say why once."""
+        self._count(spills_skipped_overwritten=1)
+        if self._said_overwritten:
+            return
+        self._said_overwritten = True
+        logger.warning(
+            "Host KV tier: the V2 model runner zeroes new blocks and applies "
+            "copy-on-write copies (update_requests) before the connector's "
+            "handle_preemptions, so blocks vLLM evicts and overwrites in the "
+            "same step cannot be copied to host memory first; they are not "
+            "kept on the host and are recomputed on a later hit. Such blocks "
+            "are counted in vllm:kvmem_host_spills_skipped_overwritten, not "
+            "logged."
+        )
 
     def sent(self, meta: HostTierMetadata) -> None:
         """This step's saves go to the workers: record which step wrote each
@@ -104,9 +149,15 @@ class SpillQueue:
         host, so no later lookup may find them (the workers already refuse
         to load from those slots until a save writes them again)."""
         for slot, step in failed:
-            if self.save_step.get(slot) == step:
-                del self.save_step[slot]
-                self.index.drop_slot(slot)
+            self._forget(slot, step)
+
+    def _forget(self, slot: int, step: int) -> bool:
+        """Forget ``slot``'s block if the save of ``step`` last wrote it (not
+        a newer save since)."""
+        if self.save_step.get(slot) != step:
+            return False
+        del self.save_step[slot]
+        return self.index.drop_slot(slot)
 
     def reset(self, index: HostBlockIndex) -> None:
         """A new, empty index: queued saves are dropped (saves in flight

@@ -24,6 +24,7 @@ COUNTERS = (
     "bytes_saved_at_eviction",
     "blocks_evicted_on_host",
     "blocks_evicted_dropped",
+    "spills_skipped_overwritten",
     "load_errors",
     "save_errors",
     "copy_wait_seconds",
@@ -97,6 +98,9 @@ METRIC_DOCS = {
     "tier (nothing copied).",
     "blocks_evicted_dropped": "Device evictions of blocks not yet on the host that "
     "were dropped (late_spill 'drop').",
+    "spills_skipped_overwritten": "Blocks not kept on the host tier because the "
+    "V2 model runner zeroes or copy-on-write-fills them before the connector "
+    "can copy them (late spills not sent, in-flight saves forgotten).",
     "load_errors": "Host tier blocks that failed to load or verify (recomputed).",
     "save_errors": "Blocks whose copy to the host tier failed (not kept on the "
     "host; served from the device or recomputed).",

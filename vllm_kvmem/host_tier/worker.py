@@ -127,6 +127,12 @@ class HostTierWorker(CountsStats):
         if self._engine is None or not isinstance(meta, HostTierMetadata):
             return
         self._last_seq = meta.seq
+        if meta.stale_slots:
+            # The scheduler forgot them (their save raced the runner's write):
+            # a load already queued from them is recomputed instead.
+            self._bad_slots.update(meta.stale_slots)
+            for slot in meta.stale_slots:
+                self._checksums.pop(slot, None)
         if not (meta.fence or meta.evict_saves or meta.ahead_saves):
             return  # nothing to copy or wait for: most steps
         started = time.perf_counter()
