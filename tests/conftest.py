@@ -12,12 +12,33 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import VENV_033
 from vllm_kvmem.tiny_model import build_tiny_model
+
+#: Who signs off the in-tree series in the tests: the generator takes the
+#: submitter's ``git config user.name``/``user.email`` and refuses without
+#: them, so the tests give git their own (command-scope config, which wins
+#: over every file), never the machine's.
+GIT_SUBMITTER = ("Test Submitter", "submitter@example.com")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def git_submitter() -> Iterator[tuple[str, str]]:
+    """``git config user.name``/``user.email`` say :data:`GIT_SUBMITTER`
+    in this process and the processes it starts."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GIT_CONFIG_COUNT", "2")
+        for i, (key, value) in enumerate(
+            zip(("user.name", "user.email"), GIT_SUBMITTER)
+        ):
+            env.setenv(f"GIT_CONFIG_KEY_{i}", key)
+            env.setenv(f"GIT_CONFIG_VALUE_{i}", value)
+        yield GIT_SUBMITTER
 
 
 @pytest.fixture(scope="session")

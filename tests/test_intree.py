@@ -31,7 +31,6 @@ from vllm_kvmem.core import kv_arith
 from vllm_kvmem.demo_engine import engine_env
 
 TEMPLATE = ["Overview", "Claims", "Validation", "Details"]
-SIGNED_OFF = "Signed-off-by: vllm-kvmem <vllm-kvmem@users.noreply.github.com>"
 GENERATOR = [sys.executable, "-m", "kvmem_tools.intree"]
 
 
@@ -65,7 +64,7 @@ def test_the_series_is_one_patch_per_module_in_order(release):
         assert name == f"{i:04d}-{subject}.patch"
 
 
-def test_every_patch_reads_as_vllms_own(release):
+def test_every_patch_reads_as_vllms_own(release, git_submitter):
     for patch in release["files"]:
         added = _added(patch)
         code = {f: lines for f, lines in added.items() if not f.startswith("tests/")}
@@ -75,7 +74,16 @@ def test_every_patch_reads_as_vllms_own(release):
         assert "hooks" not in " ".join(added), patch.name
         assert not re.search(r"__version__|vllm_version|version\(", text), patch.name
         message = _message(patch)
-        assert message.rstrip().endswith(SIGNED_OFF), patch.name
+        # Signed off by whoever runs the generator (here the tests' own git
+        # identity), after the agent's attribution, as AGENTS.md shows them.
+        name, email = git_submitter
+        assert message.rstrip().endswith(
+            f"Co-authored-by: Claude <noreply@anthropic.com>\n"
+            f"Signed-off-by: {name} <{email}>"
+        ), patch.name
+        assert f"From: {name} <{email}>" in patch.read_text(), patch.name
+        # The skill box is ticked only by a PR on which the skill was run.
+        assert "- [ ] I used vLLM's `/pr-checklist` skill." in message, patch.name
         assert len(message.splitlines()) < 110, patch.name
         headings = re.findall(r"^## (.+)$", message, flags=re.M)
         assert headings == TEMPLATE, patch.name
@@ -295,6 +303,29 @@ def test_a_missing_anchor_is_refused_naming_patch_file_and_anchor(tmp_path):
     assert (
         f"error: patch pp_kv_budget: vllm/config/cache.py: anchor {anchor!r}: 0 matches"
     ) in done.stderr
+
+
+def test_no_git_identity_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Without ``git config user.name``/``user.email`` (no identity in any
+    config file, none in the environment) the command exits 2 saying how to
+    set them, and writes nothing: it never signs off as anyone else."""
+    (tmp_path / "gitconfig").write_text("")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(tmp_path / "gitconfig"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.delenv("GIT_CONFIG_COUNT")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [*GENERATOR, "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("python -m kvmem_tools.intree: error: no git identity")
+    assert "`git config user.name`" in line and "`git config user.email`" in line
+    assert not out.exists()
 
 
 def test_a_checkout_gets_the_ci_wiring(tmp_path):

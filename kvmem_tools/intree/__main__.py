@@ -2,7 +2,9 @@
 generator is not in the wheel):
 ``python -m kvmem_tools.intree [--vllm-src PATH] [--out DIR] [--only PATCH]``.
 Exit 2 when the tree is refused (no version, or a patch's
-anchor missing: the message names the patch, the file and the anchor)."""
+anchor missing: the message names the patch, the file and the anchor), or
+when git has no identity to sign the commits off with (``git config
+user.name`` and ``user.email``: the submitter's)."""
 
 from __future__ import annotations
 

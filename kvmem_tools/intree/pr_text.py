@@ -6,7 +6,13 @@ that AI assistance was used) and an attribution trailer.
 
 Every patch of the series builds its commit message with :func:`pr_text`;
 ``series.write_series`` commits it with ``git commit -s``, which adds the
-``Signed-off-by:`` trailer the DCO asks for (the series' author identity).
+``Signed-off-by:`` trailer the DCO asks for: the submitter's own identity
+(``git config user.name``/``user.email`` where the generator runs), under
+the ``Co-authored-by:`` of the AI agent, as AGENTS.md's example orders them.
+
+A checklist box is ticked only where its evidence is in the text: the
+``/pr-checklist`` box stays empty, with the reason, unless the skill was
+run (``pr_checklist``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ AI_STATEMENT = (
     "and this description. The human submitter reviews every changed line and "
     "reruns the commands under Validation before opening the PR."
 )
-#: AGENTS.md's attribution trailer; ``git commit -s`` adds ``Signed-off-by``.
+#: AGENTS.md's attribution trailer for the agent ("Co-authored-by: Agent
+#: Name"); ``git commit -s`` adds the submitter's ``Signed-off-by`` after it.
 TRAILER = "Co-authored-by: Claude <noreply@anthropic.com>"
 
 
@@ -46,6 +53,14 @@ class Answer:
 
     met: bool
     why: str
+
+
+#: The skill box where the skill was not run on the PR.
+SKILL_NOT_RUN = Answer(
+    False,
+    "Not run on this PR: the items below are answered by hand; the submitter "
+    "runs `/pr-checklist` and addresses its findings before opening.",
+)
 
 
 def pr_text(
@@ -59,11 +74,14 @@ def pr_text(
     testing: Answer,
     code_quality: Answer,
     contents: Answer,
+    pr_checklist: Answer | None = None,
 ) -> str:
     """The PR text (the commit message's body) in vLLM 0.32's template.
 
     ``duplicates``: why this is not duplicate work (AGENTS.md); each
     :class:`Answer` is shown ticked only where ``met``, its ``why`` under it.
+    ``pr_checklist``: whether vLLM's ``/pr-checklist`` skill was run on this
+    PR (default: not run, unticked, saying so).
     The text holds no ``---`` line: ``git am`` would end the message there.
     """
     answers = {
@@ -72,8 +90,9 @@ def pr_text(
         "code_quality": code_quality,
         "contents": contents,
     }
+    skill = pr_checklist or SKILL_NOT_RUN
     items = [
-        f"- [x] {SKILL_ITEM}\n  Its questions are answered item by item below.",
+        f"- [{'x' if skill.met else ' '}] {SKILL_ITEM}\n  {skill.why}",
         f"- [x] {AI_ITEM}",
         "",
     ]

@@ -2,10 +2,12 @@
 
 The vLLM files the series edits are copied from the tree given into a
 scratch git repository and committed as they are; each patch's edits and new
-files are applied and committed (``git commit -s``: signed off by the
-series' author, as vLLM's DCO asks) with its PR text as the message; ``git
+files are applied and committed with its PR text as the message, and ``git
 format-patch`` writes the series. So the diffs are computed against that
-tree at run time, and what ``git am`` reads is what git itself wrote.
+tree at run time, and what ``git am`` reads is what git itself wrote. Every
+commit is authored and signed off (``git commit -s``, as vLLM's DCO asks)
+by whoever runs the generator, from their ``git config user.name`` and
+``user.email``; the generator refuses to run without them.
 
 A patch module (``patches/<name>.py``, listed in :data:`ORDER`) defines
 ``PATCH``, an :class:`InTreePatch`. Its ``message`` is built with
@@ -46,14 +48,10 @@ ORDER = (
     "mrv2_preemptions_first",
     "simple_cpu_offload_late_spill",
 )
-#: Author and date of every commit: the series is the same bytes for the same
-#: tree.
-GIT_ENV = {
-    "GIT_AUTHOR_NAME": "vllm-kvmem",
-    "GIT_AUTHOR_EMAIL": "vllm-kvmem@users.noreply.github.com",
+#: The date of every commit: the series is the same bytes for the same tree
+#: and the same submitter.
+GIT_DATES = {
     "GIT_AUTHOR_DATE": "2026-11-25T00:00:00+00:00",
-    "GIT_COMMITTER_NAME": "vllm-kvmem",
-    "GIT_COMMITTER_EMAIL": "vllm-kvmem@users.noreply.github.com",
     "GIT_COMMITTER_DATE": "2026-11-25T00:00:00+00:00",
 }
 #: Top-level folders of vLLM's repository that a source checkout has and an
@@ -118,11 +116,52 @@ def installed_vllm_root() -> Path:
     return Path(vllm.__file__).resolve().parent.parent
 
 
-def _git(repo: Path, *args: str) -> str:
+class IdentityError(ValueError):
+    """The environment running the generator has no git identity to author
+    and sign off the series with."""
+
+
+def submitter() -> tuple[str, str]:
+    """The name and email of ``git config user.name`` and ``user.email``
+    where the generator runs: the person who submits the PRs authors and
+    signs off every commit (the DCO's ``Signed-off-by``), never a project
+    identity. Raises ``IdentityError`` when either is unset."""
+    found = []
+    for key in ("user.name", "user.email"):
+        done = subprocess.run(["git", "config", key], capture_output=True, text=True)
+        found.append(done.stdout.strip())
+    if not all(found):
+        raise IdentityError(
+            "no git identity to sign off the series with (the DCO's "
+            "Signed-off-by is the submitter's): set `git config user.name` and "
+            "`git config user.email`"
+        )
+    return found[0], found[1]
+
+
+def _git_env() -> dict[str, str]:
+    """The environment of every git command on the scratch repository: the
+    submitter as author and committer, the fixed dates, and none of the
+    user's or the system's git configuration (``diff.noprefix``,
+    ``format.signature``, ``commit.gpgsign`` would change the bytes)."""
+    name, email = submitter()
+    return {
+        **os.environ,
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email,
+        **GIT_DATES,
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "GIT_CONFIG_NOSYSTEM": "1",
+    }
+
+
+def _git(repo: Path, env: dict[str, str], *args: str) -> str:
     done = subprocess.run(
         ["git", *args],
         cwd=repo,
-        env={**os.environ, **GIT_ENV},
+        env=env,
         capture_output=True,
         text=True,
     )
@@ -200,6 +239,7 @@ def write_series(
     if version is None:
         raise ValueError(f"{tree}: no vllm/_version.py")
     series = series_of(version)
+    env = _git_env()
     wanted = set(only or ORDER)
     for name, p in reversed(list(zip(ORDER, patches()))):
         if name in wanted:
@@ -208,7 +248,7 @@ def write_series(
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvmem-intree-") as tmp:
         repo = Path(tmp)
-        _git(repo, "init", "-q", "-b", "main")
+        _git(repo, env, "init", "-q", "-b", "main")
         # Every file any variant edits, as far as the tree has it.
         for relpath in sorted(
             {
@@ -223,18 +263,18 @@ def write_series(
             if data is not None:
                 (repo / relpath).parent.mkdir(parents=True, exist_ok=True)
                 (repo / relpath).write_bytes(data)
-        _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "--allow-empty", "-m", f"vLLM {version}")
-        base = _git(repo, "rev-parse", "HEAD").strip()
+        _git(repo, env, "add", "-A")
+        _git(repo, env, "commit", "-q", "--allow-empty", "-m", f"vLLM {version}")
+        base = _git(repo, env, "rev-parse", "HEAD").strip()
         for patch in every:
             for change in _fitting(patch, series, repo, source, notes):
                 change.apply(repo, patch.slug)
-            _git(repo, "add", "-A")
+            _git(repo, env, "add", "-A")
             message = f"{patch.subject}\n\n{patch.message}"
-            _git(repo, "commit", "-q", "-s", "-m", message)
+            _git(repo, env, "commit", "-q", "-s", "-m", message)
         for old in out.glob("*.patch"):
             old.unlink()
-        _git(repo, "format-patch", "-q", "--full-index", "-o", str(out), base)
+        _git(repo, env, "format-patch", "-q", "--full-index", "-o", str(out), base)
     return version, sorted(out.glob("*.patch"))
 
 

@@ -1,10 +1,11 @@
 """[CPU] Block-outer KV cache layouts for CPU_ATTN.
 
-CPU_ATTN declares the block-outer layouts its vec kernels serve after LBHNC,
-so vLLM's own ``resolve_kv_cache_layout`` keeps LBHNC by default and gives
-BLHNC to ``VLLM_KV_CACHE_LAYOUT`` or a connector's
-``get_required_kvcache_layout()``. On a host with AMX tiles (whose kernels
-are not validated on block-outer views) it declares LBHNC alone, as before.
+On x86 hosts without AMX tiles (where ``_get_attn_isa`` picks only the vec
+and vec16 kernels, the ones the test validates) CPU_ATTN declares the
+block-outer layouts after LBHNC, so vLLM's own ``resolve_kv_cache_layout``
+keeps LBHNC by default and gives BLHNC to ``VLLM_KV_CACHE_LAYOUT`` or a
+connector's ``get_required_kvcache_layout()``. Every other host (AMX, and
+the NEON, VSX, VXE and RVV kernels) declares LBHNC alone, as before.
 Its test joins the CPU-Kernel Tests step of ``.buildkite``.
 """
 
@@ -18,44 +19,55 @@ CPU_CI = ".buildkite/hardware_tests/cpu.yaml"
 
 MESSAGE = pr_text(
     overview="""\
-`CPU_ATTN` declares `BLHNC` and `BHLNC` after `LBHNC`, so a KV connector that
-asks for a block-outer layout (all layers of a block adjacent: one copy per
-block) through `get_required_kvcache_layout()` gets it on CPU, as does
-`VLLM_KV_CACHE_LAYOUT=BLHNC`.""",
+On x86 hosts without AMX tiles, `CPU_ATTN` declares `BLHNC` and `BHLNC` after
+`LBHNC`, so a KV connector that asks for a block-outer layout (all layers of
+a block adjacent: one copy per block) through `get_required_kvcache_layout()`
+gets it on CPU, as does `VLLM_KV_CACHE_LAYOUT=BLHNC`. Builds on the layout
+vocabulary of RFC #42082 (#51718).""",
     claims=[
-        "Block-outer layouts on the CPU backend's vec and vec16 kernels, with "
-        "caches and outputs bitwise equal to `LBHNC`.",
+        "Block-outer layouts where `_get_attn_isa` can only pick the vec and "
+        "vec16 kernels (x86 without AMX tiles), with caches and outputs "
+        "bitwise equal to `LBHNC`.",
         "`LBHNC` stays the default: `resolve_kv_cache_layout` picks a "
         "block-outer layout only when the env var or a connector asks.",
-        "Hosts with AMX tiles keep `LBHNC` alone: the AMX kernels are not "
-        "validated on block-outer views.",
+        "Every other host keeps `LBHNC` alone: AMX, and the NEON, VSX, VXE and "
+        "RVV kernels of Arm, POWER, s390x and RISC-V, none validated on "
+        "block-outer views.",
     ],
     validation=f"""\
-On CPU (AVX-512, no AMX), vLLM 0.32.0 and 0.33.0:
+On one x86 host (AVX-512 with AMX tiles), vLLM 0.32.0 and 0.33.0:
 
-- `pytest {TEST}`: 15 passed. Three layers in one allocation, viewed by
-  `allocate_kv_cache` in `LBHNC` and in each declared layout (block-outer:
-  block stride = layers x page); K/V written by `do_kv_cache_update`, then
-  `forward` on a prefill, a decode and a chunked prefill (bf16, fp32, head
-  size 80 on the vec16 kernels, fp8 cache): caches and outputs bitwise
-  equal. Resolution: `LBHNC` by default, `BLHNC` from a connector or the
-  env var.
-- End to end, greedy: a random-weight Llama (8 layers, 2 KV heads, head size
-  64, `enforce_eager`), five prompts x 32 tokens, twice (the second round
-  reads 256 and 128 tokens from the prefix cache): with `BLHNC`, `BHLNC` and
-  a connector requiring `BLHNC`, the 320 tokens and their logprobs are
-  bitwise equal to the default `LBHNC` run.""",
+- `pytest {TEST}`: 16 passed with AMX reported absent
+  (`torch.cpu._is_amx_tile_supported` patched to return False, so every
+  dtype runs the vec kernels, as on an AVX-512 host without AMX); on the
+  host as it is, 11 passed and 5 skipped (the cases on the AMX kernels, and
+  the connector case: `LBHNC` alone is declared there). Three layers in one
+  allocation, viewed by `allocate_kv_cache` in `LBHNC` and in `BLHNC` and
+  `BHLNC` (block stride = layers x page); K/V written by
+  `do_kv_cache_update`, then `forward` on a prefill, a decode and a chunked
+  prefill (bf16, fp32, head size 80 on the vec16 kernels, fp8 cache):
+  caches and outputs bitwise equal. Resolution: `LBHNC` by default, `BLHNC`
+  from a connector or the env var; `LBHNC` alone on AMX and non-x86 hosts
+  (simulated).
+- Not run: the AVX2 build of the vec kernels; any non-x86 host.""",
     details=f"""\
 The kernels (`cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`)
 take the block and head strides from the view and need only each head's
 `[N, C]` block interior dense, so `BLHNC` and `BHLNC` need no kernel change;
-`LBNHC`/`BLNHC` (token-major interiors) stay out. The AMX path is untested
-here (no AMX host), so the declaration is gated on
-`torch.cpu._is_amx_tile_supported()`, the check `_get_attn_isa` makes. The
+`LBNHC`/`BLNHC` (token-major interiors) stay out. The declaration cannot see
+the dtype or head size, so it is gated on the host: on x86 without AMX tiles
+`_get_attn_isa` returns `vec` or `vec16` for every dtype, which is what the
+test covers; AMX hosts (bf16 on the AMX kernels) and the other
+architectures keep `LBHNC`, conservatively also for their fp32 runs. The
 test joins the CPU-Kernel Tests step (`{CPU_CI}`).""",
     duplicates="""\
-no open PR we know of declares block-outer layouts for `CPU_ATTN`. The `gh`
-searches of AGENTS.md are for the submitter to rerun before opening.""",
+searched the vLLM tracker for CPU attention KV cache layouts: #42740 (merged)
+declared the CPU backend's head-major layout, #51718 (merged, RFC #42082)
+added the layout vocabulary and `supported_kv_cache_layouts()`, which this PR
+extends for `CPU_ATTN`; #40075 (open) makes SimpleCPUOffloadConnector use a
+cross-layer layout on GPU and is a consumer, not an overlap. None declares
+block-outer layouts for `CPU_ATTN`. The AGENTS.md `gh` searches are for the
+submitter to rerun before opening.""",
     design_fit=Answer(
         True,
         "A few lines in the CPU backend's declaration, on vLLM's own layout "
@@ -63,18 +75,21 @@ searches of AGENTS.md are for the submitter to rerun before opening.""",
     ),
     testing=Answer(
         False,
-        "Bitwise tests in the CPU-Kernel Tests step; the AMX kernels are not "
-        "covered (no AMX host), so AMX keeps `LBHNC`.",
+        "Bitwise tests in the CPU-Kernel Tests step, but validated on AVX-512 "
+        "only: the AVX2 build and AMX are not run, so AMX keeps `LBHNC`.",
     ),
     code_quality=Answer(True, "One comment says why block-outer views work."),
-    contents=Answer(True, "Summary, claims with evidence, limitation stated."),
+    contents=Answer(True, "Summary, related PRs, claims with evidence, limits stated."),
 )
 
 _CPU_ATTN = """\
-        # The kernels take the block and head strides from the view and need
-        # only each head's [N, C] interior dense, so block-outer views work on
-        # the vec kernels; the AMX kernels are not validated on them.
-        if torch.cpu._is_amx_tile_supported():
+        # The vec and vec16 kernels take the block and head strides from the
+        # view and need only each head's [N, C] interior dense. They are the
+        # only kernels _get_attn_isa picks on x86 without AMX tiles.
+        if (
+            current_platform.get_cpu_architecture() != CpuArchEnum.X86
+            or torch.cpu._is_amx_tile_supported()
+        ):
             return (KVCacheLayout.LBHNC,)
         return (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC, KVCacheLayout.BHLNC)
 """

@@ -28,17 +28,17 @@ vLLM's warning instead of crashing in the first forward pass.""",
         "startup, naming the valid layouts.",
     ],
     validation=f"""\
-On CPU (AVX-512, no AMX), vLLM 0.32.0 and 0.33.0:
+On CPU (x86, AVX-512 with AMX tiles), vLLM 0.32.0 and 0.33.0, this PR alone:
 
 - `pytest {TEST}`: 2 passed (both backends): the declared layouts are
   layer-compact; `LBNHC` by default and for a connector requiring `BLHNC`;
   the env var is refused.
-- Reproducer: DeepSeek-V2 (2 layers, random weights) on `CPU_MLA` with a
-  connector requiring `BLHNC`. Before: `Using BLHNC KV cache layout.`, then
-  the view error in the first forward. After: `KV connector cache layout
-  BLHNC does not satisfy every supported set; valid layouts: ['LBNHC',
-  'LBHNC', 'LHBNC']. Using LBNHC instead.`, and greedy output equal to the
-  run without a connector, token for token.""",
+- Reproducer (not in CI): DeepSeek-V2 (2 layers, `load_format="dummy"`) on
+  `CPU_MLA` with a connector requiring `BLHNC`, 8 greedy tokens. Before:
+  `Using BLHNC KV cache layout.`, then the view error in the first forward.
+  After: `KV connector cache layout BLHNC does not satisfy every supported
+  set; valid layouts: ['LBNHC', 'LBHNC', 'LHBNC']. Using LBNHC instead.`,
+  and the 8 tokens equal those of the run without a connector.""",
     details="""\
 Root cause: `supported_kv_cache_layouts()` returning `None` means "any
 layout" to `resolve_kv_cache_layout`, but both MLA backends view a layer's
@@ -47,15 +47,20 @@ cache as contiguous `[num_blocks * block_size, head_size]` rows
 adjacent: layer-outer layouts. With one latent head `LBNHC`, `LBHNC` and
 `LHBNC` are the same bytes; `LBNHC` stays first, so nothing changes for
 anyone who does not ask for a layout. `AMX_MLA` is covered by the
-declaration and resolution test only (no AMX host here).""",
+declaration and resolution test only (no engine run on it).""",
     duplicates="""\
-no open PR we know of touches the CPU MLA layout declaration. The `gh`
-searches of AGENTS.md are for the submitter to rerun before opening.""",
+searched the vLLM tracker for MLA KV cache layout declarations: #55438
+(open, fixing #55431) declares layer-compact layouts for the DeepSeek-V3.2
+sparse MLA backends on GPU, the same class of fix for other backends; it
+does not touch `cpu_mla.py` or `amx_mla.py`. #51718 (merged) introduced
+`supported_kv_cache_layouts()` with `None` as "any". No open PR declares the
+CPU MLA layouts. The AGENTS.md `gh` searches are for the submitter to rerun
+before opening.""",
     design_fit=Answer(True, "A declaration on each backend; no logic added."),
     testing=Answer(
         False,
         "Resolution tests in the CPU-Kernel Tests step; the crash reproducer "
-        "is an engine run outside CI, and AMX_MLA is not run (no AMX host).",
+        "is an engine run outside CI, and AMX_MLA runs no engine here.",
     ),
     code_quality=Answer(True, "One comment says why only layer-outer layouts."),
     contents=Answer(True, "Root cause, reproducer before and after, limits."),

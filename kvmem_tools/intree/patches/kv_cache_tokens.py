@@ -21,7 +21,8 @@ MESSAGE = pr_text(
     overview="""\
 `--kv-cache-tokens N` (human-readable: `400k`) sizes the KV cache in tokens:
 every worker gets the fewest blocks whose usable blocks hold N tokens.
-Related: #33263 (KV bytes per token depend on each stage's layers).""",
+Related: #33263 and #18121 (sizing the KV cache without estimating bytes per
+model).""",
     claims=[
         "Operators size the cache in tokens without working out bytes per token "
         "for the model, KV dtype and, with pipeline parallelism, each stage.",
@@ -32,7 +33,7 @@ Related: #33263 (KV bytes per token depend on each stage's layers).""",
         "the capacity log says what the budget bought.",
     ],
     validation=f"""\
-On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0:
+On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0; not run on GPUs:
 
 - `pytest {UNIT_TEST}`: 17 passed. Synthetic specs and a model config
   without weights: block counts for several budgets, block sizes and
@@ -67,23 +68,30 @@ One knob: every stage gets the same block count, as vLLM already gives it.
 A pipeline-wide byte budget (`--enable-pp-prop-kv-cache`) is a separate PR;
 neither needs the other.""",
     duplicates="""\
-no PR we know of sizes the KV cache in tokens; #33263 describes the problem.
-The `gh` searches of AGENTS.md are for the submitter to rerun before
-opening.""",
+searched the vLLM tracker for a token-denominated KV cache size. #33263
+(open feature request) asks vLLM to stop allocating more KV cache than
+`max_num_seqs * max_model_len` needs, and finds `kv_cache_memory_bytes` hard
+to set per model; #18121 (open) asks how to set the KV cache size. This PR
+does not cap the cache automatically; it gives the figure they would set, in
+tokens. #17538 (closed) only reported the token capacity. No open PR sizes
+the KV cache in tokens. The AGENTS.md `gh` searches are for the submitter to
+rerun before opening.""",
     design_fit=Answer(
-        True,
-        "~115 lines, most in `vllm/v1/core` (medium), on vLLM's own capacity "
-        "count and planning; off by default.",
+        False,
+        "Open: ~115 lines of off-by-default logic in the core planner, on "
+        "vLLM's own capacity count; a reviewer may want it in its own module.",
     ),
     testing=Answer(
-        True,
-        "Unit tests in CI's CPU `v1/core` step (`cpu_test`); the engine test in "
-        "the E2E Core step (`v1/e2e/general`, one GPU). Validated on CPU only.",
+        False,
+        "Unit tests in CI's CPU `v1/core` step (`cpu_test`); the engine test "
+        "sits in the E2E Core step (one GPU) but was run on CPU only.",
     ),
     code_quality=Answer(
         False, "Clear and short, but no docs page yet (only the flag's help)."
     ),
-    contents=Answer(True, "Summary, claims with figures, trade-offs above."),
+    contents=Answer(
+        True, "Summary, related issues, claims with CPU figures, trade-offs."
+    ),
 )
 
 _FIELD = '''

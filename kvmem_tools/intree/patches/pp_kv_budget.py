@@ -19,21 +19,24 @@ UNIT_TEST = "tests/v1/core/test_pp_kv_budget.py"
 
 MESSAGE = pr_text(
     overview="""\
-`--enable-pp-prop-kv-cache` makes `--kv-cache-memory-bytes` one KV cache
-budget for the whole pipeline (per tensor-parallel shard) instead of a
-per-device figure, split across the stages by their KV bytes per block.
-Related: #50821, #52921 (block counts across PP ranks).""",
+`--enable-pp-prop-kv-cache` makes `--kv-cache-memory-bytes` the KV cache
+budget of the whole pipeline (per tensor-parallel shard) instead of each
+device's. vLLM already gives every stage the block count of the most
+constrained stage and trims the other stages' tensors to it (#25164); this
+PR changes only the budget's unit, from the heaviest device's bytes to the
+pipeline's.""",
     claims=[
-        "With uneven stages (`VLLM_PP_LAYER_PARTITION=56,8`, or stages holding "
-        "different layer types) the stages together stay within one budget and "
-        "each allocates only its share, instead of every stage reserving the "
-        "whole figure.",
+        "With the flag, the KV caches of all stages together take at most "
+        "`--kv-cache-memory-bytes` (per tensor-parallel shard), whatever the "
+        "layer split (`VLLM_PP_LAYER_PARTITION=56,8`, stages with different "
+        "layer types).",
         "Every stage holds the same number of blocks: "
         "`budget // sum(bytes per block of every stage)`.",
         "Off by default; no change to any other path.",
     ],
     validation=f"""\
-On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0:
+On CPU (vLLM's CPU build, pipeline ranks as processes), vLLM 0.32.0 and
+0.33.0; not run on GPUs:
 
 - `pytest {UNIT_TEST}`: 8 passed. Synthetic per-worker specs (6/2 and 4/4
   layers, 2 and 8 KV heads, TP 2 x PP 2), no model: shares follow the bytes
@@ -46,39 +49,49 @@ On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0:
   blocks of 128 KiB per layer), budget 24 MiB: 24 blocks on each stage,
   18 MiB and 6 MiB, the budget to the byte; greedy output generated.""",
     details="""\
-`get_kv_cache_configs` cuts every stage to the block count of the stage with
-the most KV bytes per block (#25164 trims the tensors), so with
-`--kv-cache-memory-bytes` per device the lighter stages reserve memory they
-never use, and nothing says how much the pipeline takes. The flag turns each
-worker's available memory into its stage's share, right after the
-`num_gpu_blocks_override` block; auto-fit of `--max-model-len auto`, the
-capacity check and the trim run unchanged. `num_gpu_blocks_override` wins
-(one warning). A stage without KV cache layers is refused by name. Workers
-must arrive in rank order, stage-major, as the executor gathers them: this
-is checked (workers of one stage hold the same layers), not assumed.
+Without the flag, `--kv-cache-memory-bytes` is what each device may use:
+the stage with the most KV bytes per block sets the block count, and since
+#25164 the lighter stages allocate only that many blocks of their own size.
+So the pipeline's total is the figure times the sum of the stages' bytes per
+block over the heaviest stage's, which depends on the split and the layer
+types. The same allocation is reachable today by setting the per-device
+figure to the heaviest stage's share; the flag computes that share from a
+pipeline total instead, right after the `num_gpu_blocks_override` block, so
+auto-fit of `--max-model-len auto`, the capacity check and the trim run
+unchanged. `num_gpu_blocks_override` wins (one warning). A stage without KV
+cache layers is refused by name. Workers must arrive in rank order,
+stage-major, as the executor gathers them: this is checked (workers of one
+stage hold the same layers), not assumed.
 
 One knob: this PR keeps a byte budget. Sizing the cache in tokens
 (`--kv-cache-tokens`, a separate PR) also gives every stage the same block
 count, from a token figure; neither PR needs the other.""",
     duplicates="""\
-the open PRs on KV block counts across pipeline ranks that we know of
-(#50821, #52921) equalize block counts; none makes the byte budget
-pipeline-wide. The `gh` searches of AGENTS.md are for the submitter to rerun
-before opening.""",
+searched the vLLM tracker for KV cache sizing under pipeline parallelism.
+#25164 (merged) trims every stage's tensors to the common block count: this
+PR builds on it and changes only what the budget counts. #33698 (merged)
+fixed the memory check for pipeline stages, and #34076 (open bug; its PRs
+#34078 and #34080 closed) is about which worker bounds `max_model_len` with
+uneven stages; neither makes the budget pipeline-wide. The AGENTS.md `gh`
+searches are for the submitter to rerun before opening.""",
     design_fit=Answer(
-        True,
-        "~75 lines in `vllm/v1/core` and ~22 in config and arguments (medium), "
-        "beside the override block, on vLLM's bytes per block; off by default.",
+        False,
+        "Open: ~97 lines, most in the core planner, off by default, for a "
+        "change of unit over what #25164 already does.",
     ),
     testing=Answer(
         False,
         "The unit tests run in CI's CPU `v1/core` step (`cpu_test`); the engine "
-        "test needs 2 devices (or CPU ranks) and is wired into no 2-GPU step.",
+        "test needs 2 devices and is wired into no 2-GPU step; not run on GPUs.",
     ),
     code_quality=Answer(
         False, "Clear and short, but no docs page yet (only the flag's help)."
     ),
-    contents=Answer(True, "Summary, claims with figures, trade-offs above."),
+    contents=Answer(
+        False,
+        "Open: the allocation is not yet compared with vLLM's at the "
+        "equivalent per-device figure.",
+    ),
 )
 
 _FIELD = '''

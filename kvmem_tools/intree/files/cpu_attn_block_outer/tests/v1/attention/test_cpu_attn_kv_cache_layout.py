@@ -11,7 +11,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-from vllm.platforms import current_platform
+from vllm.platforms import CpuArchEnum, current_platform
 from vllm.v1.attention.backends import cpu_attn
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -35,8 +35,13 @@ from vllm.v1.worker.utils import allocate_kv_cache
 pytestmark = pytest.mark.skipif(
     not current_platform.is_cpu(), reason="CPU attention backends"
 )
-# Block-outer layouts are declared for the vec kernels, not on AMX hosts.
-AMX = current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
+# Block-outer layouts are declared where _get_attn_isa picks only the vec and
+# vec16 kernels: x86 without AMX tiles.
+VEC_ONLY_HOST = (
+    current_platform.is_cpu()
+    and current_platform.get_cpu_architecture() == CpuArchEnum.X86
+    and not torch.cpu._is_amx_tile_supported()
+)
 
 NUM_LAYERS = 3
 NUM_BLOCKS = 16
@@ -70,13 +75,9 @@ def _kv_caches(spec, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
     return allocate_kv_cache(config, torch.device("cpu"), layout)
 
 
-def _run(layout, dtype, head_size, kv_cache_dtype):
+def _run(layout, dtype, head_size, kv_cache_dtype, isa):
     """Write every layer's K/V through the backend, then attend; returns the
     caches and each layer's output."""
-    try:
-        isa = cpu_attn._get_attn_isa(dtype, BLOCK_SIZE, head_size, kv_cache_dtype)
-    except NotImplementedError as e:
-        pytest.skip(str(e))
     cache_dtype = torch.uint8 if kv_cache_dtype == "fp8" else dtype
     spec = FullAttentionSpec(
         block_size=BLOCK_SIZE,
@@ -155,7 +156,7 @@ def _run(layout, dtype, head_size, kv_cache_dtype):
     return kv_caches, outputs
 
 
-@pytest.mark.parametrize("layout", CPUAttentionBackend.supported_kv_cache_layouts())
+@pytest.mark.parametrize("layout", [KVCacheLayout.BLHNC, KVCacheLayout.BHLNC])
 @pytest.mark.parametrize(
     "dtype,head_size,kv_cache_dtype",
     [
@@ -165,18 +166,24 @@ def _run(layout, dtype, head_size, kv_cache_dtype):
         (torch.bfloat16, 128, "fp8"),
     ],
 )
-def test_declared_layouts_give_bitwise_equal_attention(
+def test_block_outer_layouts_give_bitwise_equal_attention(
     layout, dtype, head_size, kv_cache_dtype
 ):
+    # Any host runs the cases its _get_attn_isa gives to the vec kernels.
+    try:
+        isa = cpu_attn._get_attn_isa(dtype, BLOCK_SIZE, head_size, kv_cache_dtype)
+    except NotImplementedError as e:
+        pytest.skip(str(e))
+    if isa not in ("vec", "vec16"):
+        pytest.skip(f"{isa} kernels: block-outer layouts are not declared for them")
     ref_caches, ref_outputs = _run(
-        KVCacheLayout.LBHNC, dtype, head_size, kv_cache_dtype
+        KVCacheLayout.LBHNC, dtype, head_size, kv_cache_dtype, isa
     )
-    kv_caches, outputs = _run(layout, dtype, head_size, kv_cache_dtype)
+    kv_caches, outputs = _run(layout, dtype, head_size, kv_cache_dtype, isa)
     for name, output, ref_output in zip(LAYERS, outputs, ref_outputs):
-        if layout.is_block_outermost:
-            page_size = kv_caches[name][0].numel() * kv_caches[name].element_size()
-            block_stride = kv_caches[name].stride(0) * kv_caches[name].element_size()
-            assert block_stride == NUM_LAYERS * page_size
+        page_size = kv_caches[name][0].numel() * kv_caches[name].element_size()
+        block_stride = kv_caches[name].stride(0) * kv_caches[name].element_size()
+        assert block_stride == NUM_LAYERS * page_size
         assert torch.equal(kv_caches[name], ref_caches[name])
         assert torch.isfinite(output.float()).all() and output.abs().sum() > 0
         assert torch.equal(output, ref_output)
@@ -186,11 +193,28 @@ def test_block_interiors_stay_head_major():
     # The kernels read [N, C] per head: token-major interiors cannot be viewed.
     declared = CPUAttentionBackend.supported_kv_cache_layouts()
     assert declared[0] == KVCacheLayout.LBHNC
-    if AMX:
-        assert declared == (KVCacheLayout.LBHNC,)
-    else:
+    if VEC_ONLY_HOST:
         assert {KVCacheLayout.BLHNC, KVCacheLayout.BHLNC} <= set(declared)
+    else:
+        assert declared == (KVCacheLayout.LBHNC,)
     assert not {KVCacheLayout.LBNHC, KVCacheLayout.BLNHC} & set(declared)
+
+
+@pytest.mark.parametrize(
+    "arch,amx",
+    [
+        (CpuArchEnum.X86, True),
+        (CpuArchEnum.ARM, False),
+        (CpuArchEnum.POWERPC, False),
+        (CpuArchEnum.S390X, False),
+        (CpuArchEnum.RISCV, False),
+    ],
+)
+def test_hosts_with_other_kernels_keep_lbhnc(monkeypatch, arch, amx):
+    # AMX, NEON, VSX, VXE and RVV kernels are not validated on block-outer views.
+    monkeypatch.setattr(current_platform, "get_cpu_architecture", lambda: arch)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert CPUAttentionBackend.supported_kv_cache_layouts() == (KVCacheLayout.LBHNC,)
 
 
 class _RequiresBLHNC(KVConnectorBase_V1):
@@ -222,7 +246,7 @@ def test_cpu_attn_keeps_lbhnc_by_default(monkeypatch):
     assert _resolve(CPUAttentionBackend, ATTN_SPEC) == KVCacheLayout.LBHNC
 
 
-@pytest.mark.skipif(AMX, reason="AMX hosts keep LBHNC alone")
+@pytest.mark.skipif(not VEC_ONLY_HOST, reason="LBHNC alone is declared here")
 def test_cpu_attn_takes_blhnc_when_asked(monkeypatch):
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
     assert (
