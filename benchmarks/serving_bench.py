@@ -70,7 +70,7 @@ Method:
   re-tokenised with the model's tokenizer).
 * The servers start in a scratch folder, not in a checkout: ``python -m``
   puts the working directory first on ``sys.path``, ahead of ``PYTHONPATH``,
-  so a server started in /work/main would import /work/main's vllm_kvmem
+  so a server started in a checkout would import that checkout's vllm_kvmem
   whatever ``PYTHONPATH`` says.
 * The engine runs ``--threads`` OpenMP threads (default 1, as in
   ``host_tier_bench.py``: a team that loses a core to the API server or the

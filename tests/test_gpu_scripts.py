@@ -20,7 +20,20 @@
   keys its sources read, and its figures from synthetic runs;
 - issue 36's real-size run (``real_size.py``): its dry run (plan, schedule,
   estimate within ``--max-wall-s``, the model folder written), its servers'
-  flags as vLLM 0.32 parses them, and its whole sequence with stand-ins.
+  flags as vLLM 0.32 parses them, and its whole sequence with stand-ins; its
+  ``simple_lazy_series`` arm (the series' vLLM first on the path, no
+  plugin; an arm whose tree cannot be built does not start);
+- the series' vLLM copy (``series_tree.py``): built with git and, for a
+  machine without it, from carried patches applied in Python, the two trees
+  identical; reused when nothing changed; a patch that does not fit refused;
+- issue 42's late-spill check (``late_spill.py``): its dry run (processes
+  V2 first, each runner's and tree's environment, the estimate), its
+  scheduler-output counting and figures on synthetic records, stage 2's item
+  i, and (``engine``) its CPU rehearsal: Model Runner V1, the plugin's tier
+  and lazy offload on the series' vLLM against no offload, tokens equal and
+  every revisited prefix a host hit;
+- no file of the recipe, the benchmarks, the docs or the packages names a
+  development machine's path.
 
 No network, nothing downloaded.
 """
@@ -1089,14 +1102,15 @@ def test_real_size_main_with_stand_ins(real, tmp_path, monkeypatch):
     assert path.name == "real_size_h100.json"
     report = json.loads(path.read_text())
     assert report["platform"] == "GPU" and "NVIDIA H100" in report["label"]
-    assert {s.config for s in _FakeServer.made} == set(real.ARMS)
+    default_arms = set(real.ARMS) - set(real.SERIES_ARMS)  # asked for by name
+    assert {s.config for s in _FakeServer.made} == default_arms
     assert all(s.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0" for s in _FakeServer.made)
     assert len(report["ttft"]) == 9 + 3 and not report["skipped"]
     ttft = report["summary"]["ttft"]
     assert ttft["tier"]["32768"]["repeat_host_hit_tokens"] == [384.0]
     assert ttft["tier"]["4096"]["repeat_over_none_recompute"] == pytest.approx(1.0)
     profile = report["summary"]["profile"]
-    assert set(profile) == set(real.ARMS)
+    assert set(profile) == default_arms
     assert profile["noop"]["decode_step_host_ms_p50"] == 2.5  # vLLM's step lines
     assert profile["tier"]["itl_p50_over_noop"] == 1.0
     cells = report["summary"]["throughput"]
@@ -1127,3 +1141,348 @@ def test_stage2_dry_run_plans_the_real_size_run(tmp_path):
     assert not h["estimate_fits_max_wall"]  # what a short cap will skip
     assert plan["estimate_s"]["h"] == h["estimate_s"]
     assert "real_size" in plan["items"]["h"]
+
+
+def test_real_size_series_arm(real, tmp_path, monkeypatch):
+    """lazy+series: simple_lazy's connector on the series' vLLM copy (first on
+    PYTHONPATH, no plugin); its copy is built once before it starts, and an
+    arm whose copy cannot be built does not start while the others run."""
+    tree = tmp_path / "intree"
+    argv = ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+            "--model-cache", str(tmp_path / "models"), "--series-tree", str(tree),
+            "--steps", "throughput", "--max-live", "4",
+            "--throughput-arms", "none,tier,simple_lazy,simple_lazy_series",
+            ]  # fmt: skip
+    monkeypatch.setenv("PYTHONPATH", f"/site{os.pathsep}{ROOT}")
+    args = real.parse_args(argv)
+    plan = real.build_plan(args)
+    series, lazy = plan["arms"]["simple_lazy_series"], plan["arms"]["simple_lazy"]
+    assert series["server"] == lazy["server"]  # the same connector and flags
+    assert series["env"] == {
+        "VLLM_PLUGINS": "",
+        "PYTHONPATH": f"{tree}{os.pathsep}/site",
+    }
+    assert plan["series_tree"]["late_spill_pr"] == "simple_cpu_offload_late_spill"
+    # One start of four servers (an H200 holds them), the copy's build in the
+    # estimate; without the arm no build is counted.
+    assert [a["arms"] for a in plan["schedule"] if a["kind"] == "start"] == [
+        ["none", "tier", "simple_lazy", "simple_lazy_series"]
+    ]
+    plain = real.build_plan(real.parse_args(argv[:-2]))
+    assert plain["series_tree"] is None and "simple_lazy_series" not in plain["arms"]
+    assert plan["estimate_s"] > plain["estimate_s"]
+    monkeypatch.setattr(real.ab, "ABServer", _FakeServer)
+    monkeypatch.setattr(real.sb, "warm_up", lambda *a: None)
+    monkeypatch.setattr(real.sb, "run_client", lambda argv, log, timeout: {
+        "ttfts": [0.01] * 48, "generated_texts": ["t"] * 48, "input_lens": [2176] * 48,
+        "completed": 48, "failed": 0, "errors": [], "request_throughput": 2.0,
+        "output_throughput": 99.0, "median_itl_ms": 8.0, "p99_itl_ms": 9.0,
+        "median_ttft_ms": 30.0, "p99_ttft_ms": 60.0, "median_tpot_ms": 8.0,
+        "duration": 3.0})  # fmt: skip
+    builds = []
+
+    def build(dest, *a, **kw):
+        builds.append(dest)
+        return {"tree": str(dest), "patches": ["0001.patch"]}
+
+    monkeypatch.setattr(real.series_tree, "build", build)
+    gpu = {"name": "NVIDIA H200", "memory": "143771 MiB", "driver": "x"}
+    args.out.mkdir()
+    _FakeServer.made.clear()
+    assert real.RealSize(args, gpu, argv).main() == 0
+    assert builds == [tree]
+    made = {s.config: s for s in _FakeServer.made}
+    assert made["simple_lazy_series"].env["PYTHONPATH"].split(os.pathsep)[0] == str(
+        tree
+    )
+    assert made["simple_lazy_series"].env["VLLM_PLUGINS"] == ""
+    report = json.loads((args.out / "real_size_h200.json").read_text())
+    assert report["series_tree"]["tree"] == str(tree)
+    assert "simple_lazy_series" in report["summary"]["throughput"]["eighty@c16"]
+
+    def broken(*a, **kw):
+        raise RuntimeError("no git on this machine and no carried series")
+
+    monkeypatch.setattr(real.series_tree, "build", broken)
+    _FakeServer.made.clear()
+    assert real.RealSize(args, gpu, argv).main() == 1  # an arm did not start
+    report = json.loads((args.out / "real_size_h200.json").read_text())
+    assert "no git" in report["servers"]["simple_lazy_series"]["error"]
+    assert {s.config for s in _FakeServer.made} == {"none", "tier", "simple_lazy"}
+    assert any("simple_lazy_series" in s for s in report["skipped"])
+
+
+# -- the series' vLLM copy (series_tree.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def series_tree():
+    yield from import_script(GPU / "series_tree.py")
+
+
+def _tree_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
+
+
+def test_series_tree_with_and_without_git(series_tree, tmp_path):
+    """The lent machine may lack git: the patches prepared here and carried,
+    applied in Python, give the tree git gives; a tree is reused while the
+    vLLM, the PRs and the generator are the same; a patch whose context is
+    not in the tree is refused by name, before anything is written."""
+    carried = tmp_path / "carried"
+    made = series_tree.prepare(carried)
+    assert "simple_cpu_offload_late_spill" in made["order"]
+    assert len(made["patches"]) == len(made["order"])
+    with_git = series_tree.build(tmp_path / "git", use_git=True)
+    assert with_git["applied_with"].startswith("git") and not with_git["reused"]
+    store = tmp_path / "store"
+    without = series_tree.build(
+        tmp_path / "py", use_git=False, carried=carried, store=store
+    )
+    assert without["applied_with"].startswith("python")
+    assert (store / "kvmem-series.json").is_file()  # taken out of the checkout
+    assert without["patches"] == with_git["patches"]
+    assert _tree_files(tmp_path / "git") == _tree_files(tmp_path / "py")
+    # vLLM's Python files copied, everything else linked to the source.
+    assert (tmp_path / "py" / "vllm" / "v1" / "core" / "block_pool.py").is_file()
+    assert series_tree.build(tmp_path / "git", use_git=True)["reused"]
+    # No git and nothing carried: said so, with what to do.
+    with pytest.raises(RuntimeError, match="series_tree.py prepare"):
+        series_tree.build(
+            tmp_path / "none", use_git=False, carried=tmp_path / "nothing",
+            store=tmp_path / "nostore",
+        )  # fmt: skip
+    # A hunk whose context is not there refuses the patch; nothing written.
+    victim = tmp_path / "py" / "vllm" / "v1" / "core" / "block_pool.py"
+    victim.write_text(victim.read_text().replace("class BlockPool", "class Pool"))
+    patch = next(carried.glob("*Late-spills*.patch"))
+    before = _tree_files(tmp_path / "py")
+    with pytest.raises(RuntimeError, match=f"{patch.name}: vllm/v1/core/block_pool"):
+        series_tree.python_apply(tmp_path / "py", patch)
+    assert _tree_files(tmp_path / "py") == before
+    # An arm's path: the tree first, the checkout (the plugin) never.
+    path = series_tree.pythonpath(Path("/t"), f"/site{os.pathsep}{ROOT}")
+    assert path == f"/t{os.pathsep}/site"
+
+
+# -- issue 42's late-spill check (late_spill.py) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def late():
+    yield from import_script(GPU / "late_spill.py")
+
+
+def test_late_spill_dry_run_plan(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "late_spill.py"), "--dry-run", "--out",
+         str(tmp_path), "--model-cache", str(tmp_path / "models")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "late_spill_plan.json").read_text())
+    assert plan["imported_torch_or_vllm"] == []
+    assert set(plan["arms"]) == {"none", "tier", "lazy_series"}
+    assert plan["arms"]["tier"]["kv_transfer_config"]["kv_connector"] == (
+        "KVMemHostTierConnector"
+    )
+    lazy = plan["arms"]["lazy_series"]["kv_transfer_config"]
+    assert lazy["kv_connector"] == "SimpleCPUOffloadConnector"
+    assert lazy["kv_connector_extra_config"]["lazy_offload"] is True
+    # V2 first (the GPU default no CPU run has seen), the release's engines
+    # before the series' copy; both workloads in each process.
+    procs = [(p["runner"], p["tree"]) for p in plan["processes"]]
+    assert procs == [("v2", "release"), ("v2", "series"),
+                     ("v1", "release"), ("v1", "series")]  # fmt: skip
+    for p in plan["processes"]:
+        env = p["env"]
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == {"v2": "1", "v1": "0"}[p["runner"]]
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # counters in-process
+        assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+        first = env["PYTHONPATH"].split(os.pathsep)[0]
+        if p["tree"] == "series":
+            assert env["VLLM_PLUGINS"] == "" and first == "/tmp/kvmem-intree"
+            assert str(ROOT) not in env["PYTHONPATH"].split(os.pathsep)
+            assert [c for c, _ in p["engines"]] == ["plain", "mixed_fp8"]
+        else:
+            assert "VLLM_PLUGINS" not in env
+            assert str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+    assert plan["trees"]["series"]["only"] is None  # the whole series
+    mixed = plan["cases"]["mixed_fp8"]
+    assert mixed["llm"] == {"kv_cache_dtype": "fp8"} and mixed["skip_half_layers"]
+    assert len(mixed["rounds"]) == 4  # a device revisit: copy-on-write
+    assert plan["estimate_fits_max_wall"] and plan["estimate_s"] <= 400
+    assert plan["output"].startswith("$OUT/late_spill_<gpu>.json")
+
+
+def test_late_spill_arguments(late, tmp_path, monkeypatch):
+    cpu = late.parse_args(["--cpu"])
+    assert cpu.runner_list == ["v1"] and cpu.case_list == ["plain"]
+    assert [p["runner"] for p in late.processes(cpu)] == ["v1", "v1"]
+    pr6 = late.parse_args(["--arms", "none,lazy_pr6", "--trees", str(tmp_path)])
+    (tree,) = late.build_plan(pr6)["trees"].values()
+    assert tree["only"] == ["simple_cpu_offload_late_spill"]
+    assert tree["folder"] == str(tmp_path / "kvmem-intree-pr6")
+    for bad in (["--cpu", "--runners", "v2"], ["--arms", "tier"],
+                ["--arms", "none,lazy"], ["--cases", "fp8"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            late.parse_args(bad)
+    monkeypatch.setattr(late, "gpu_info", lambda: None)
+    assert late.main(["--out", str(tmp_path), "--model", str(tmp_path)]) == 2
+
+
+def test_late_spill_counts_and_figures(late):
+    """The scheduler's outputs counted (late spills of either connector, and
+    those the same step zeroes or copies on write into), and each arm's
+    figures against its runner's none."""
+    from types import SimpleNamespace as NS
+
+    outputs = iter([
+        NS(kv_connector_metadata=NS(spill_gpu_blocks=[3, 4]),
+           new_block_ids_to_zero=[4, 9], kv_cache_block_copies=None),
+        NS(kv_connector_metadata=NS(evict_saves=[(5, 0), (6, 1)]),
+           new_block_ids_to_zero=None,
+           kv_cache_block_copies=[NS(src_block_id=1, dst_block_id=6)]),
+        NS(kv_connector_metadata=None, new_block_ids_to_zero=[7],
+           kv_cache_block_copies=[]),
+    ])  # fmt: skip
+    sched = NS(schedule=lambda: next(outputs))
+    spy = late.StepSpy(sched)
+    for _ in range(3):
+        sched.schedule()
+    got = spy.report()
+    assert got["steps"] == 3 and got["late_spills"] == 4 and got["spill_steps"] == 2
+    assert got["late_spills_zeroed_same_step"] == 1  # block 4
+    assert got["late_spills_cow_same_step"] == 1  # block 6
+    assert got["zeroed_blocks"] == 3 and got["cow_copies"] == 1
+    assert got["overlaps"] == [{"step": 1, "zeroed": [4], "cow": []},
+                               {"step": 2, "zeroed": [], "cow": [6]}]  # fmt: skip
+
+    def engine(arm, tokens, cached, counters=None):
+        return {"runner": "v2", "case": "plain", "arm": arm, "tokens": tokens,
+                "cached": cached, "kv": {"hash_block_size": 32, "groups": [],
+                "needs_kv_cache_zeroing": False, "use_v2_model_runner": True},
+                "steps": got, "tier_counters": counters}  # fmt: skip
+
+    same, rounds = [[[1, 2]]] * 3, [[0] * 4, [0] * 4, [96, 96, 96, 0]]
+    engines = [
+        engine("none", same, [[0] * 4] * 3),
+        engine("tier", same, rounds,
+               {"scheduler": {"spills_skipped_overwritten": 2,
+                              "bytes_saved_at_eviction": 8}}),
+        engine("lazy_series", [[[1, 3]]] * 3, rounds),
+        {"runner": "v2", "case": "plain", "arm": "lazy_pr6", "error": "x"},
+    ]  # fmt: skip
+    args = late.parse_args(["--runners", "v2", "--cases", "plain",
+                            "--arms", "none,tier,lazy_series,lazy_pr6"])  # fmt: skip
+    cell = late.summarize(engines, args)["v2/plain"]
+    assert cell["v2_runner"] is True and cell["none_revisit_cached"] == [0] * 4
+    tier, lazy = cell["arms"]["tier"], cell["arms"]["lazy_series"]
+    assert tier["tokens_equal_to_none"] and not lazy["tokens_equal_to_none"]
+    assert tier["revisit_host_hit_rate"] == 0.75  # 288 of 4 x 96 tokens
+    assert tier["tier_spills_skipped"] == {"scheduler.spills_skipped_overwritten": 2}
+    assert tier["tier_saved_at_eviction_bytes"] == 8
+    assert lazy["tier_spills_skipped"] is None and lazy["late_spills"] == 4
+    assert cell["arms"]["lazy_pr6"] is None  # failed: no figures
+
+
+def test_late_spill_skips_and_unbuilt_trees(late, tmp_path, monkeypatch):
+    """Nothing starts past --max-wall-s (every engine recorded as skipped,
+    exit 3); an arm whose vLLM copy cannot be built is recorded as failed
+    (exit 1), and the JSON is labelled as a CPU run here."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    argv = ["--cpu", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w"),
+            "--model", str(model), "--max-wall-s", "0"]  # fmt: skip
+    (tmp_path / "out").mkdir()
+    built = []
+
+    def build(dest, **kw):
+        built.append((dest, kw))
+        return {"tree": str(dest)}
+
+    monkeypatch.setattr(late.series_tree, "build", build)
+    assert late.run(late.parse_args(argv), None, argv) == 3
+    report = json.loads((tmp_path / "out" / "late_spill_cpu.json").read_text())
+    assert report["platform"] == "CPU" and "not a GPU figure" in report["label"]
+    assert built[0][1] == {"only": None, "cpu_scaffolding": True}
+    assert [e["skipped"] for e in report["engines"]] == ["past --max-wall-s"] * 3
+    assert report["summary"]["v1/plain"]["arms"] == dict.fromkeys(
+        ("none", "tier", "lazy_series")
+    )
+
+    def broken(dest, **kw):
+        raise RuntimeError("no git on this machine and no carried series")
+
+    monkeypatch.setattr(late.series_tree, "build", broken)
+    assert late.run(late.parse_args(argv), None, argv) == 1
+    report = json.loads((tmp_path / "out" / "late_spill_cpu.json").read_text())
+    lazy = next(e for e in report["engines"] if e["arm"] == "lazy_series")
+    assert lazy["error"].startswith("tree not built: RuntimeError: no git")
+
+
+def test_stage2_dry_run_plans_the_late_spill_check(tmp_path):
+    proc = _run(
+        "stage2.sh", tmp_path, "--dry-run", "--items", "i",
+        "--late-args", "--max-wall-s 200",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "stage2_plan.json").read_text())
+    i = plan["i_plan"]
+    assert i["argv"] == ["--max-wall-s", "200"] and i["max_wall_s"] == 200
+    assert not i["estimate_fits_max_wall"]  # what a short cap will skip
+    assert plan["estimate_s"]["i"] == i["estimate_s"]
+    assert "late_spill" in plan["items"]["i"]
+    # stage 2's tiny model, shared with items a-f
+    assert i["model"].endswith("tiny-model") and "series_tree.py take" in proc.stdout
+
+
+@pytest.mark.engine
+def test_late_spill_cpu_rehearsal(model_8l, tmp_path):
+    """Model Runner V1 on CPU (V2 needs Triton): the plugin's tier and lazy
+    offload on the series' vLLM (with the generator's CPU scaffolding), each
+    against no offload on the CPU contract's workload."""
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "late_spill.py"), "--cpu",
+         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+         "--trees", str(tmp_path / "trees"), "--model", str(model_8l)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "late_spill_cpu.json").read_text())
+    assert report["platform"] == "CPU" and "not a GPU figure" in report["label"]
+    series = next(p for p in report["processes"] if p["name"] == "v1_series")
+    assert series["vllm_file"].startswith(str(tmp_path / "trees" / "kvmem-intree"))
+    assert {p["env_runner"] for p in report["processes"]} == {"0"}
+    cell = report["summary"]["v1/plain"]
+    assert cell["v2_runner"] is False and cell["zeroing"] is False
+    assert cell["none_revisit_cached"] == [0, 0, 0, 0]  # nothing left on device
+    assert cell["none_worker_connector"] is None  # a fresh engine each time
+    tier = next(e for e in report["engines"] if e["arm"] == "tier")
+    assert tier["kv"]["worker_connector"] == "KVMemHostTierConnector"
+    assert cell["arms"]["tier"]["tier_enabled"] is True
+    for arm in ("tier", "lazy_series"):
+        got = cell["arms"][arm]
+        assert got["tokens_equal_to_none"], arm
+        assert got["revisit_host_hit_rate"] == 1.0, arm
+        assert got["late_spills"] > 0, arm  # the workload forces late spills
+        assert got["late_spills_zeroed_same_step"] == 0, arm  # V1, one group
+
+
+def test_no_machine_paths_in_the_project():
+    """A development machine's folders belong to no file of the project
+    (recorded results keep where they ran; they are data, not read here)."""
+    bad = []
+    for folder in ("benchmarks", "scripts", "docs", "vllm_kvmem", "kvmem_tools"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in {".py", ".md", ".sh", ".txt", ".toml"}:
+                continue
+            for n, line in enumerate(path.read_text(errors="replace").splitlines()):
+                if any(m in line for m in ("/work/", "/home/", "/root/")):
+                    bad.append(f"{path.relative_to(ROOT)}:{n + 1}: {line.strip()}")
+    assert not bad, "\n".join(bad)

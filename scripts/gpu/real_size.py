@@ -38,7 +38,13 @@ keeps what matters most:
    (``tier_step_us``), and each engine step's host time from vLLM's
    ``--enable-logging-iteration-details`` lines (decode-only steps apart).
 3. **Throughput at 0% and 80% reuse** at concurrency 16: ``none``, ``tier``,
-   ``simple_lazy`` (the 0% runs are step 2's).
+   ``simple_lazy`` and ``simple_lazy_series`` (the 0% runs are step 2's
+   where it profiled the arm): the last is ``SimpleCPUOffloadConnector``
+   with ``lazy_offload`` on a copy of the machine's vLLM with the in-tree
+   series applied (late spills, and Model Runner V2 calling
+   ``handle_preemptions`` before it writes new blocks; ``series_tree.py``
+   builds it on the machine, about 15 s, once while the machine is warm),
+   no plugin: the A/B of issue 42 at this size.
 4. **FLASH_ATTN decode time per step with BLHNC** (the layout the tier asks
    for, forced here without a connector: ``VLLM_KV_CACHE_LAYOUT=BLHNC``)
    against the default: the same run as step 2 (``blhnc`` against ``none``).
@@ -78,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ab_figures as figures  # noqa: E402  (no vLLM or torch at import)
 import ab_offload as ab  # noqa: E402
+import series_tree  # noqa: E402
 import serving_bench as sb  # noqa: E402
 from gpu_common import SERVER_ENV  # noqa: E402
 from real_size_schedule import (  # noqa: E402
@@ -90,7 +97,10 @@ from real_size_schedule import (  # noqa: E402
 )
 
 GIB = 1 << 30
-ARMS = ("none", "noop", "tier", "simple_lazy", "offloading", "blhnc")
+ARMS = ("none", "noop", "tier", "simple_lazy", "offloading", "blhnc",
+        "simple_lazy_series")  # fmt: skip
+#: Arms that run the series' vLLM copy (built before they start).
+SERIES_ARMS = ("simple_lazy_series",)
 STEPS = ("ttft", "profile", "throughput", "layout")
 #: vLLM's per-step line with --enable-logging-iteration-details.
 ITERATION = re.compile(
@@ -115,9 +125,21 @@ def kv_bytes_per_token(args: argparse.Namespace) -> int:
     return shape(args).kv_bytes_per_token()
 
 
-def arm_config(arm: str, host_bytes: int) -> dict[str, Any]:
-    """``ab_offload.py``'s arms, and ``blhnc``: no connector, the layout
-    forced (what the tier asks vLLM for), the plugin loaded as in ``none``."""
+def arm_config(
+    arm: str, host_bytes: int, tree: Path = series_tree.TREE
+) -> dict[str, Any]:
+    """``ab_offload.py``'s arms; ``blhnc``: no connector, the layout forced
+    (what the tier asks vLLM for), the plugin loaded as in ``none``;
+    ``simple_lazy_series``: ``simple_lazy``'s connector on the vLLM copy in
+    ``tree`` (the series applied), first on ``PYTHONPATH``, no plugin."""
+    if arm == "simple_lazy_series":
+        lazy = ab.arm_config("simple_lazy", host_bytes)
+        return {
+            **lazy,
+            "env": {**lazy["env"], "PYTHONPATH": series_tree.pythonpath(tree)},
+            "what": lazy["what"] + ", on vLLM with the in-tree series "
+            f"(late spills; {tree})",
+        }
     if arm == "blhnc":
         return {
             "flags": [],
@@ -145,7 +167,7 @@ def server_cmd(arm: str, args: argparse.Namespace) -> list[str]:
         "--max-num-seqs", str(args.max_num_seqs),
         "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         *(["--enable-logging-iteration-details"] if args.iteration_details else []),
-        *arm_config(arm, args.host_bytes)["flags"],
+        *arm_config(arm, args.host_bytes, args.series_tree)["flags"],
     ]  # fmt: skip
 
 
@@ -159,12 +181,18 @@ def compilation_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_plan(args: argparse.Namespace) -> dict[str, Any]:
     actions = schedule(args)
-    total = COST_S["fixed"] + sum(a.estimate_s for a in actions)
+    used = list(dict.fromkeys(arm for a in actions for arm in a.arms))
+    series = [a for a in used if a in SERIES_ARMS]
+    total = (
+        COST_S["fixed"]
+        + sum(a.estimate_s for a in actions)
+        + (COST_S["series_build"] if series else 0.0)
+    )
     by_step: dict[str, float] = {}
     for a in actions:
         if a.item is not None:
             by_step[a.item.step] = by_step.get(a.item.step, 0.0) + a.estimate_s
-    used = list(dict.fromkeys(arm for a in actions for arm in a.arms))
+    cfg = {arm: arm_config(arm, args.host_bytes, args.series_tree) for arm in used}
     return {
         "issue": 36,
         "script": "scripts/gpu/real_size.py",
@@ -193,14 +221,23 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         },
         "arms": {
             arm: {
-                "what": arm_config(arm, args.host_bytes)["what"],
+                "what": cfg[arm]["what"],
                 "server": ["python", "-m", "vllm.entrypoints.openai.api_server"]
                 + server_cmd(arm, args),
-                "env": arm_config(arm, args.host_bytes)["env"],
-                "unset_env": arm_config(arm, args.host_bytes)["unset_env"],
+                "env": cfg[arm]["env"],
+                "unset_env": cfg[arm]["unset_env"],
             }
             for arm in used
         },
+        "series_tree": {
+            "folder": str(args.series_tree),
+            "arms": series,
+            "late_spill_pr": series_tree.LATE_SPILL,
+            "built": "on the machine before the arm starts (series_tree.build: "
+            "the generator's write_series for the machine's vLLM, all of ORDER)",
+        }
+        if series
+        else None,
         "workload": {
             "ttft": {
                 "lengths": args.ttft_len_list,
@@ -384,7 +421,7 @@ class RealSize(ab.GpuSession):
 
     # servers
     def _server(self, arm: str) -> ab.ABServer:
-        env = ab.arm_env(arm_config(arm, self.args.host_bytes))
+        env = ab.arm_env(arm_config(arm, self.args.host_bytes, self.args.series_tree))
         return ab.ABServer(
             arm, server_cmd(arm, self.args), env, self.work / f"server-{arm}.log"
         )
@@ -392,20 +429,28 @@ class RealSize(ab.GpuSession):
     def start(self, arms: list[str]) -> None:
         """Start ``arms`` together (threads: each start is a process and a
         readiness poll), then warm each up; an arm that fails beside others is
-        tried once more alone when time allows."""
-        servers = {arm: self._server(arm) for arm in arms}
-        infos = {
-            arm: {"cmd": s.args, "env": arm_config(arm, self.args.host_bytes)["env"],
-                  "batch": arms}
-            for arm, s in servers.items()
-        }  # fmt: skip
+        tried once more alone when time allows. A series arm's vLLM copy is
+        built first; an arm whose copy cannot be built does not start."""
+        infos: dict[str, dict[str, Any]] = {}
+        for arm in [a for a in arms if a in SERIES_ARMS]:
+            error = self.series_error()
+            if error:
+                infos[arm] = {"error": f"series tree: {error}", "batch": arms}
+        servers = {arm: self._server(arm) for arm in arms if arm not in infos}
+        for arm, s in servers.items():
+            infos[arm] = {"cmd": s.args, "batch": arms,
+                          "env": arm_config(arm, self.args.host_bytes,
+                                            self.args.series_tree)["env"]}  # fmt: skip
+        if not servers:
+            self.report["servers"].update(infos)
+            return
 
         def go(arm: str, delay: float) -> float:
             time.sleep(delay)  # distinct free ports, staggered imports
             return servers[arm].start()
 
-        with cf.ThreadPoolExecutor(len(arms)) as pool:
-            futs = {arm: pool.submit(go, arm, 2.0 * k) for k, arm in enumerate(arms)}
+        with cf.ThreadPoolExecutor(len(servers)) as pool:
+            futs = {arm: pool.submit(go, arm, 2.0 * k) for k, arm in enumerate(servers)}
         failed = []
         for arm, fut in futs.items():
             try:
@@ -415,7 +460,7 @@ class RealSize(ab.GpuSession):
                 infos[arm]["log_tail"] = servers[arm].log_tail()
                 servers[arm].stop()
                 failed.append(arm)
-        if failed and len(arms) > 1:
+        if failed and len(servers) > 1:
             for arm in failed:
                 if self.left_s() < start_cost(1) + 30:
                     break
@@ -442,6 +487,19 @@ class RealSize(ab.GpuSession):
                 server.stop()
             infos[arm]["log_facts"] = figures.log_facts(server.log_text())
         self.report["servers"].update(infos)
+
+    def series_error(self) -> str | None:
+        """Build (once) the series' vLLM copy the series arms run; why it
+        could not be built, else None. Recorded in the report."""
+        if "series_tree" not in self.report:
+            t = time.monotonic()
+            try:
+                built = series_tree.build(self.args.series_tree)
+            except Exception as e:
+                built = {"error": f"{type(e).__name__}: {e}"}
+            built["build_s"] = round(time.monotonic() - t, 1)
+            self.report["series_tree"] = built
+        return self.report["series_tree"].get("error")
 
     def stop(self, arms: list[str]) -> None:
         for arm in arms:
@@ -608,7 +666,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-suffix-len", type=int, default=32)
     p.add_argument("--filler-len", type=int, default=8192)
     p.add_argument("--profile-arms", default="none,noop,tier,simple_lazy,offloading")
-    p.add_argument("--throughput-arms", default="none,tier,simple_lazy")
+    p.add_argument("--throughput-arms", default="none,tier,simple_lazy",
+                   help="simple_lazy_series (the series' vLLM, needs this "
+                   "checkout's kvmem_tools and git or a carried series) when "
+                   "asked")  # fmt: skip
     p.add_argument("--layout-arms", default="none,blhnc")
     p.add_argument("--layout-repeats", type=int, default=1)
     p.add_argument("--levels", default="unique,eighty", help="0%% and 80%% reuse")
@@ -634,6 +695,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    action="store_false")  # fmt: skip
     p.add_argument("--max-live", type=int, default=3,
                    help="servers at once (three 8B servers fit an H100)")  # fmt: skip
+    p.add_argument("--series-tree", type=Path, default=series_tree.TREE,
+                   help="the series' vLLM copy (built if absent)")  # fmt: skip
     p.add_argument("--max-wall-s", type=float, default=480.0)
     args = p.parse_args(argv)
     args.step_list = _csv(args.steps)

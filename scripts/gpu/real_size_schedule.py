@@ -32,6 +32,9 @@ COST_S = {
     "stop": 5.0,
     "client_call": MEASURED_S["ab_probe"] / 3,
     "metrics_settle": 1.5,
+    # The series' vLLM copy for the lazy+series arm (series_tree.build): 8.7 s
+    # on a development CPU with git; assumed 15 s on the machine.
+    "series_build": 15.0,
     "prefill_tokens_per_s": 20000.0,
     "decode_step": 0.012,
     "fixed": 20.0,

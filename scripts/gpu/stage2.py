@@ -1,7 +1,7 @@
 """Stage 2 of issue 17: vLLM 0.32 with the plugin on the GPU machine.
 
 Items a and g ran on an NVIDIA H200 on 2026-11-26 (after their engines were
-given ``VLLM_USE_FLASHINFER_SAMPLER=0``); b-f and h have not run on a GPU.
+given ``VLLM_USE_FLASHINFER_SAMPLER=0``); b-f, h and i have not run on a GPU.
 It runs after ``install_pieces.py install`` put vLLM and its wheels in a
 target folder (``stage2.sh`` sets ``PYTHONPATH``). Every engine gets
 ``gpu_common.SERVER_ENV`` (vLLM 0.32's sampler imports flashinfer at start
@@ -49,6 +49,12 @@ h. issue 36's real-size run: the Llama-3.1-8B shape (``load_format="dummy"``,
    tokens per connector, the per-step profile, throughput at 0% and 80%
    reuse, BLHNC against the default layout: ``scripts/gpu/real_size.py`` in
    a child process (``--real-args``), figures in ``$OUT/real_size_<gpu>.json``.
+i. issue 42's late-spill check: the plugin's tier and vLLM's lazy offload on
+   a vLLM copy with the in-tree series (late spills), each under Model Runner
+   V2 and V1, against no offload: greedy identity, host hits of revisited
+   prefixes, late spills V2 zeroed or copied on write first (a mixed-precision
+   fp8 cache): ``scripts/gpu/late_spill.py`` in a child process
+   (``--late-args``), figures in ``$OUT/late_spill_<gpu>.json``.
 
 The dry run's plan gives each item's device seconds from the costs measured
 on the H200 (``gpu_common.MEASURED_S``: an eager engine start 35 s).
@@ -79,11 +85,11 @@ import stage2_scripts  # noqa: E402
 from gpu_common import MEASURED_S, SERVER_ENV  # noqa: E402
 
 REPORT = "KVMEM_STAGE2 "
-ITEMS = "abcdefgh"
+ITEMS = "abcdefghi"
 #: Engines per item (d: up to four, one of them capturing CUDA graphs; f: two
 #: and Ray's own start) and the seconds of work beside the starts: the plan's
 #: estimate, from an eager engine start measured on the H200 (item a: two
-#: engines in 70 s). g and h are their scripts' own estimates.
+#: engines in 70 s). g, h and i are their scripts' own estimates.
 ITEM_ENGINES = {"a": 2, "b": 2, "c": 2, "d": 4, "e": 3, "f": 2}
 ITEM_EXTRA_S = {"a": 0, "b": 10, "c": 10, "d": 60, "e": 15, "f": 60}
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
@@ -182,6 +188,7 @@ class Runner:
         out: Path | None = None,
         ab_args: str = "",
         real_args: str = "",
+        late_args: str = "",
     ) -> None:
         # Kept under the repository's ignored .gpu-work/, not in $OUT: $OUT is
         # emptied before every call and brings back 8 files at most, while
@@ -192,6 +199,7 @@ class Runner:
         self.out = out or work
         self.ab_args = ab_args
         self.real_args = real_args
+        self.late_args = late_args
         self.logs = work / "stage2_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results_path = work / "stage2_results.json"
@@ -587,10 +595,13 @@ def item_f(r: Runner) -> dict:
     }
 
 
-def item_estimate_s(item: str, ab_args: str = "", real_args: str = "") -> float:
+def item_estimate_s(
+    item: str, ab_args: str = "", real_args: str = "", late_args: str = ""
+) -> float:
     """Device seconds an item takes, from the costs measured on the H200."""
-    if item in "gh":
-        return stage2_scripts.estimate_s(item, ab_args if item == "g" else real_args)
+    if item in "ghi":
+        args = {"g": ab_args, "h": real_args, "i": late_args}[item]
+        return stage2_scripts.estimate_s(item, args)
     return ITEM_ENGINES[item] * MEASURED_S["engine_start_eager"] + ITEM_EXTRA_S[item]
 
 
@@ -603,6 +614,7 @@ ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "f": item_f,
     "g": stage2_scripts.item_g,
     "h": stage2_scripts.item_h,
+    "i": stage2_scripts.item_i,
 }
 
 
@@ -623,8 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--items",
         default=ITEMS[:5],
-        help="which of a-h (default a-e; f needs Ray; g is issue 30's A/B, h "
-        "issue 36's real-size run)",
+        help="which of a-i (default a-e; f needs Ray; g is issue 30's A/B, h "
+        "issue 36's real-size run, i issue 42's late-spill check)",
     )
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "out/stage2"))
@@ -647,6 +659,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="item h: arguments for real_size.py, e.g. '--max-wall-s 480'",
     )
+    p.add_argument(
+        "--late-args",
+        default="",
+        help="item i: arguments for late_spill.py, e.g. '--max-wall-s 300'",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = p.parse_args(argv)
     if args.child:
@@ -667,14 +684,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_timeout_s": args.engine_timeout,
             "server_env": SERVER_ENV,
             "estimate_s": {
-                i: item_estimate_s(i, args.ab_args, args.real_args) for i in args.items
+                i: item_estimate_s(i, args.ab_args, args.real_args, args.late_args)
+                for i in args.items
             },
             "estimate_from": "gpu_common.MEASURED_S (NVIDIA H200, 2026-11-26): "
             f"an eager engine start {MEASURED_S['engine_start_eager']:.0f} s; "
-            "items g and h: their scripts' own plans",
+            "items g, h and i: their scripts' own plans",
         }
         plan["estimate_total_s"] = sum(plan["estimate_s"].values())
-        for item, item_args in (("g", args.ab_args), ("h", args.real_args)):
+        scripts = (("g", args.ab_args), ("h", args.real_args), ("i", args.late_args))
+        for item, item_args in scripts:
             if item in args.items:
                 plan[f"{item}_plan"] = stage2_scripts.plan(item, item_args, args.work)
         (args.out / "stage2_plan.json").write_text(json.dumps(plan, indent=1) + "\n")
@@ -682,7 +701,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     model = make_model(args.work)
     runner = Runner(
-        args.work, model, args.engine_timeout, args.out, args.ab_args, args.real_args
+        args.work,
+        model,
+        args.engine_timeout,
+        args.out,
+        args.ab_args,
+        args.real_args,
+        args.late_args,
     )
     for item in args.items:
         print(f"=== item {item}", flush=True)

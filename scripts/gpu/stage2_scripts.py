@@ -1,10 +1,11 @@
-"""Stage 2's items g and h: this folder's GPU scripts, each in a child process.
+"""Stage 2's items g, h and i: this folder's GPU scripts, each in a child process.
 
-``ab_offload.py`` (issue 30's A/B) and ``real_size.py`` (issue 36) run with
-their own ``--max-wall-s``, write their own figures to ``$OUT`` and leave
-their logs in stage 2's tarball; stage 2 records how each child ended, and
-its dry run asks each script for its plan and estimate (they import neither
-vLLM nor torch).
+``ab_offload.py`` (issue 30's A/B), ``real_size.py`` (issue 36) and
+``late_spill.py`` (issue 42: late spills under Model Runner V1 and V2) run
+with their own ``--max-wall-s``, write their own figures to ``$OUT`` and
+leave their logs in stage 2's tarball; stage 2 records how each child ended,
+and its dry run asks each script for its plan and estimate (they import
+neither vLLM nor torch).
 """
 
 from __future__ import annotations
@@ -28,11 +29,20 @@ class Runner(Protocol):
     logs: Path
     ab_args: str
     real_args: str
+    late_args: str
 
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
 REAL_SCRIPT = Path(__file__).resolve().parent / "real_size.py"
+LATE_SCRIPT = Path(__file__).resolve().parent / "late_spill.py"
+#: Each item's script, and the folder under ``.gpu-work`` its models go to
+#: (item i shares stage 2's tiny model, ``.gpu-work/tiny-model``).
+SCRIPTS = {
+    "g": (AB_SCRIPT, "serving-model"),
+    "h": (REAL_SCRIPT, "shape-models"),
+    "i": (LATE_SCRIPT, "."),
+}
 
 
 def _script_module(path: Path) -> Any:
@@ -103,24 +113,35 @@ def item_h(r: Runner) -> dict:
     return _child_script(r, "h", REAL_SCRIPT, r.real_args, "shape-models")
 
 
+def item_i(r: Runner) -> dict:
+    """Issue 42: late spills under Model Runner V2 and V1, the plugin's tier
+    and vLLM's lazy offload on the series' vLLM against no offload, greedy
+    identity and host hits, on the tiny model (scripts/gpu/late_spill.py)."""
+    return _child_script(r, "i", LATE_SCRIPT, r.late_args, ".")
+
+
 def estimate_s(item: str, args: str) -> float:
-    """Device seconds item g or h takes: its script's own estimate."""
+    """Device seconds item g, h or i takes: its script's own estimate."""
     if item == "g":
         ab = _ab_module()
         return float(ab.estimate_s(ab.parse_args(shlex.split(args))))
-    rs = _script_module(REAL_SCRIPT)
-    return float(rs.build_plan(rs.parse_args(shlex.split(args)))["estimate_s"])
+    module = _script_module(SCRIPTS[item][0])
+    return float(module.build_plan(module.parse_args(shlex.split(args)))["estimate_s"])
 
 
 def plan(item: str, args: str, work: Path) -> dict[str, Any]:
-    """Item g's or h's plan as its script's dry run writes it, with its argv."""
+    """Item g's, h's or i's plan as its script's dry run writes it, with its
+    argv."""
     if item == "g":
         ab = _ab_module()
         ab_args = ab.parse_args(shlex.split(args))
         ab_args.model_cache = work / "serving-model"
         out = ab.build_plan(ab_args, ab.model_path(ab_args))
     else:
-        rs = _script_module(REAL_SCRIPT)
-        out = rs.build_plan(rs.parse_args(shlex.split(args)))
+        script, cache = SCRIPTS[item]
+        module = _script_module(script)
+        parsed = module.parse_args(shlex.split(args))
+        parsed.model_cache = work / cache
+        out = module.build_plan(parsed)
     out["argv"] = shlex.split(args)
     return out
