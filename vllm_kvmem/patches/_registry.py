@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from vllm_kvmem.patches._native import BY_NAME, OPTION_FEATURES
 from vllm_kvmem.vllm_adapter import SERIES, resolve_target
 
 _MARK = "__kvmem_patch__"
@@ -63,6 +64,17 @@ class Patch:
     """What it does when no kvmem flag is set (the plugin must be invisible)."""
     signature_is_prefix: bool = False
     """For huge generated signatures (dataclass ``__init__``): check a prefix."""
+    native: tuple[str, ...] = ()
+    """The in-tree features (``_native.FEATURES``) that replace this patch:
+    where the loaded vLLM has every one of them, the patch stands down (is
+    not applied), so vLLM's own code runs alone."""
+    native_options: bool = False
+    """The patch carries vllm-kvmem's options (flags, keyword arguments,
+    checks): applied whatever vLLM has, it leaves each option vLLM has
+    natively to vLLM and keeps the others."""
+    native_note: str = ""
+    """For the docs: what the patch still does where vLLM has the features
+    it serves in part."""
 
     def __post_init__(self) -> None:
         if not self.idle:
@@ -71,6 +83,11 @@ class Patch:
             raise ValueError(
                 f"patch {self.name}: versions must be a non-empty subset of "
                 f"{list(KNOWN_SERIES)}, got {self.versions}"
+            )
+        if set(self.native) - set(BY_NAME):
+            raise ValueError(
+                f"patch {self.name}: native must name features of "
+                f"{sorted(BY_NAME)}, got {self.native}"
             )
         unknown = set(self.platforms) - set(PLATFORM_CHECKS)
         if not self.platforms or unknown:
@@ -82,6 +99,37 @@ class Patch:
     def applies_to(self, platform: Any) -> bool:
         """Whether this patch belongs on ``platform`` (a vLLM ``Platform``)."""
         return any(getattr(platform, PLATFORM_CHECKS[p])() for p in self.platforms)
+
+    def stands_down(self, native: Iterable[str]) -> bool:
+        """Whether vLLM has, natively (``native``: feature names), every
+        feature this patch exists for."""
+        return bool(self.native) and set(self.native) <= set(native)
+
+    @property
+    def native_text(self) -> str:
+        """When the patch stands down, for the docs."""
+        if self.native:
+            features = [BY_NAME[n] for n in self.native]
+            text = (
+                f"Stands down (not applied) where vLLM has "
+                f"{' and '.join(map(_code, features))} natively (in-tree "
+                f"PR{'s' if len(features) > 1 else ''} "
+                f"{', '.join(f'`{f.name}`' for f in features)}; detected when "
+                f"{'; and when '.join(f.detected_by for f in features)})."
+            )
+        elif self.native_options:
+            options = [BY_NAME[n] for n in OPTION_FEATURES]
+            text = (
+                "Applied, but leaves each option vLLM has natively to vLLM: "
+                + ", ".join(f"{_code(f)} (in-tree PR `{f.name}`)" for f in options)
+                + "; the other vllm-kvmem options (the host tier's) stay the "
+                "plugin's."
+            )
+        elif self.native_note:
+            text = "Applied: the in-tree series replaces only part of it."
+        else:
+            text = "Applied: the in-tree series has no replacement for it."
+        return f"{text} {self.native_note}".rstrip()
 
     @property
     def platforms_text(self) -> str:
@@ -98,6 +146,11 @@ class Patch:
     def resolve(self) -> tuple[Any, str, Any]:
         """Return ``(owner, attr, raw)``: raw keeps staticmethod/classmethod."""
         return resolve_target(self.target)
+
+
+def _code(feature: Any) -> str:
+    """A feature's name in the docs: a flag as code."""
+    return f"`{feature.what}`" if feature.what.startswith("--") else feature.what
 
 
 def _unwrap(raw: Any) -> Callable[..., Any]:
@@ -170,6 +223,12 @@ def for_series(patches: Iterable[Patch], series: str) -> list[Patch]:
     return [p for p in patches if series in p.versions]
 
 
+def standing_down(patches: Iterable[Patch], native: Iterable[str]) -> list[Patch]:
+    """The patches that stand down where vLLM has the features ``native``."""
+    native = set(native)
+    return [p for p in patches if p.stands_down(native)]
+
+
 def apply_all(patches: Iterable[Patch]) -> list[str]:
     """Apply patches in order; return the names newly applied.
 
@@ -197,6 +256,13 @@ def to_markdown(patches: Iterable[Patch]) -> str:
         "A patch is applied only on the platforms it names",
         "(`vllm.platforms.current_platform`); on the others its target module is",
         "never imported.",
+        "**Where vLLM has it natively** says what the patch does on a vLLM",
+        "built from the in-tree series (`kvmem_tools/intree`), which has some of",
+        "these features itself. A feature is detected by what vLLM has (a config",
+        "field, a backend's declaration), never by its version; a patch stands",
+        "down where vLLM has all the features it serves, and the process that",
+        "builds the VllmConfig logs one line per feature vLLM has",
+        "(`vllm-kvmem: vLLM has --kv-cache-tokens natively; using vLLM's`).",
         "",
     ]
     for p in patches:
@@ -210,6 +276,7 @@ def to_markdown(patches: Iterable[Patch]) -> str:
             f"- **Why:** {p.why}",
             f"- **How:** {p.how}",
             f"- **With no kvmem flag:** {p.idle}",
+            f"- **Where vLLM has it natively:** {p.native_text}",
             f"- **Upstream:** {p.upstream}",
             f"- **Remove when:** {p.remove_when}",
             "",

@@ -25,6 +25,8 @@ HOW = (
 )
 UPSTREAM = "None: part of the seed 000 feature; upstream PR would add the limit."
 REMOVE_WHEN = "vLLM ships a pipeline-proportional KV budget."
+#: The budget modes it measures the limit for, both in vLLM with the series.
+NATIVE = ("pp_kv_budget", "kv_cache_tokens")
 IDLE = (
     "Returns vLLM's own figure from vLLM's own method (the limit is measured "
     "only with `--enable-pp-prop-kv-cache` or `--kv-cache-tokens`)."

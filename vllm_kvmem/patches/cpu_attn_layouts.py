@@ -24,6 +24,7 @@ PATCH = Patch(
     processes=("CPU workers",),
     versions=("0.32", "0.33"),
     platforms=("cpu",),
+    native=("cpu_attn_block_outer", "cpu_mla_kv_cache_layouts"),
     why="CPU_ATTN declares only LBHNC, yet its kernel reads each layer's "
     "[H, N, C] block interior through the view's block stride, so it works on "
     "BLHNC views (block stride = layers x page). Without the declaration "

@@ -12,14 +12,26 @@ GROUP_TITLE = "vllm-kvmem"
 
 
 def add_kvmem_arguments(parser: Any) -> None:
-    """Add one flag per option; a no-op if the parser already has them."""
-    if KVMemConfig.flag(KVMemConfig.option_names()[0]) in parser._option_string_actions:
+    """Add one flag per option, but for the options vLLM has natively (its
+    own flag is the one) and the flags the parser already has (a no-op the
+    second time)."""
+    from vllm_kvmem.patches._native import native_options
+
+    native = native_options()
+    names = [
+        name
+        for name in KVMemConfig.option_names()
+        if name not in native
+        and KVMemConfig.flag(name) not in parser._option_string_actions
+    ]
+    if not names:
         return
     group = parser.add_argument_group(
         title=GROUP_TITLE,
         description="KV-cache memory options added by the vllm-kvmem plugin.",
     )
-    for name, field in KVMemConfig.model_fields.items():
+    for name in names:
+        field = KVMemConfig.model_fields[name]
         kwargs: dict[str, Any] = {"dest": name, "default": None}
         if field.annotation is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
@@ -55,6 +67,7 @@ PATCH = Patch(
     upstream="None: would be part of an upstream PR adding the options to "
     "CacheConfig (seed PR for `--enable-pp-prop-kv-cache`, never merged).",
     remove_when="The options exist in vLLM's own CacheConfig.",
+    native_options=True,
     idle="Adds the vllm-kvmem flags to the parser (listed in `--help`, all "
     "defaulting to unset); vLLM's own options, their help and defaults are "
     "unchanged.",

@@ -9,9 +9,14 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 def _make(original):
     def create_engine_config(self, *args, **kwargs):
         from vllm_kvmem.host_tier_setup import add_connector_config
+        from vllm_kvmem.patches._native import refuse_native_options
 
+        refuse_native_options(self.additional_config)
         add_connector_config(self)
         config = original(self, *args, **kwargs)
+        from vllm_kvmem.patches._native import log_once
+
+        log_once()  # vLLM's logging is configured now
         from vllm_kvmem.config import check_options
 
         check_options(config)
@@ -48,6 +53,9 @@ PATCH = Patch(
     "and with `--kv-cache-tokens` sets the 1-byte placeholder budget.",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig with its own checks.",
+    native_options=True,
+    native_note="An option vLLM has natively that is given in "
+    "`additional_config['kvmem']` is refused, naming vLLM's own option.",
     idle="Calls vLLM's method; the flag checks find nothing to check, no "
     "connector is added and no placeholder is set: the config is vLLM's.",
 )

@@ -8,11 +8,14 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def from_cli_args(cls, args):
+        from vllm_kvmem.patches._native import native_options
+
         engine_args = original(cls, args)
+        native = native_options()  # vLLM's own fields: its method carried them
         given = {
             name: getattr(args, name)
             for name in KVMemConfig.option_names()
-            if getattr(args, name, None) is not None
+            if name not in native and getattr(args, name, None) is not None
         }
         if given:
             engine_args.additional_config = merge_options(
@@ -38,6 +41,7 @@ PATCH = Patch(
     "error if `--additional-config` sets the same option to another value).",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig.",
+    native_options=True,
     idle="Calls vLLM's method and returns its result unchanged (no kvmem flag "
     "given: nothing is merged into `additional_config`).",
 )

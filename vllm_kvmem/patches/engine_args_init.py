@@ -8,10 +8,13 @@ from vllm_kvmem.patches._registry import ALL_PLATFORMS, Patch
 
 def _make(original):
     def __init__(self, *args, **kwargs):
+        from vllm_kvmem.patches._native import native_options
+
+        native = native_options()  # vLLM's own fields: left in kwargs for vLLM
         ours = {
             name: kwargs.pop(name)
             for name in KVMemConfig.option_names()
-            if name in kwargs
+            if name in kwargs and name not in native
         }
         original(self, *args, **kwargs)
         ours = {k: v for k, v in ours.items() if v is not None}
@@ -37,6 +40,7 @@ _COMMON = dict(
     "`additional_config['kvmem']`.",
     upstream="None (same as engine_args_cli).",
     remove_when="The options exist in vLLM's own CacheConfig.",
+    native_options=True,
     idle="Calls vLLM's `__init__` with the same arguments; `additional_config` "
     "is untouched, and `inspect.signature(EngineArgs)` is vLLM's own (the "
     "wrapper carries it).",

@@ -40,6 +40,7 @@ PATCH = Patch(
     processes=("engine core",),
     versions=("0.32", "0.33"),
     platforms=ALL_PLATFORMS,
+    native=("pp_kv_budget", "kv_cache_tokens"),
     why="A worker's KV limit is free memory less what is allocated after the KV "
     "cache (CUDA graphs, the host tier's staging buffers, pipeline receive "
     "buffers) and the GPU headroom; vLLM returns one "

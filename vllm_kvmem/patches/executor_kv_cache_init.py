@@ -38,5 +38,7 @@ PATCH = Patch(
     "from the configs, as every worker does again on receiving them.",
     upstream="Part of the startup-table and host-tier PRs.",
     remove_when="vLLM logs per-rank KV capacity and ships a host KV tier.",
+    native_note="Where vLLM has the budget options natively, the plan it "
+    "ends is empty; the capacity table and the host tier's sizing stay.",
     idle="Logs the per-rank capacity table; calls vLLM's method with the same configs.",
 )

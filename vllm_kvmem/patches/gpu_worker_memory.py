@@ -18,4 +18,5 @@ PATCH = Patch(
     upstream=w.UPSTREAM,
     remove_when=w.REMOVE_WHEN,
     idle=w.IDLE,
+    native=w.NATIVE,
 )

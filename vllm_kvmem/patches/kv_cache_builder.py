@@ -23,6 +23,7 @@ PATCH = Patch(
     processes=("engine core", "every worker"),
     versions=("0.33",),
     platforms=ALL_PLATFORMS,
+    native=("pp_kv_budget", "kv_cache_tokens"),
     why="vLLM 0.33 plans the KV cache in a Core-owned flow and takes the groups "
     "and each worker's config from a `KVCacheConfigBuilder` the platform names "
     "(upstream PR #53558); the flow hands every worker `limit // bytes per "

@@ -46,6 +46,10 @@ PATCH = Patch(
     "name imported into `vllm.v1.engine.core`.",
     upstream="vLLM PR 'Add --enable-pp-prop-kv-cache' (seed 000, never merged).",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
+    native_note="Where vLLM has `--enable-pp-prop-kv-cache` and "
+    "`--kv-cache-tokens` natively, its budget modes never run (the plugin "
+    "carries neither option; vLLM's planner sizes the cache); the capacity "
+    "table and the host tier's sizing stay.",
     idle="Returns vLLM's own configs, unchanged (same blocks and tensors), and "
     "logs the per-rank capacity table.",
 )

@@ -39,5 +39,8 @@ PATCH = Patch(
     "of all stages). Logs nothing unless the split is active.",
     upstream="None (log line of the seed 000 PR).",
     remove_when="vLLM ships a pipeline-proportional KV budget.",
+    native_note="Where vLLM has `--enable-pp-prop-kv-cache` natively the "
+    "rank's share line is vLLM's (the plugin's split never runs); the host "
+    "tier's sizing stays.",
     idle="Calls vLLM's method with the same configs; sizes and logs nothing.",
 )
