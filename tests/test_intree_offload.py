@@ -19,8 +19,8 @@ prefixes can then only come from host memory.
 Per release, three processes (an engine start is ~2 s, a process ~10 s): the
 series' vLLM with no plugin (no offload, then lazy offload), the release's
 vLLM without the series (lazy offload), both with the scaffolding, and the
-release's vLLM with the plugin's connector. Run as a script, this file is that process's driver: it imports
-only vLLM.
+release's vLLM with the plugin's connector. Run as a script, this file is
+that process's driver: it imports only vLLM.
 """
 
 from __future__ import annotations

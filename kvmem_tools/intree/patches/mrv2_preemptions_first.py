@@ -82,11 +82,11 @@ class KVConnector:
 
 '''
 
-_BASE_HOOK = '''\
+_BASE_HOOK = """\
     def handle_preemptions(self, scheduler_output: "SchedulerOutput") -> None:
         pass
 
-'''
+"""
 
 _ACTIVE_ANCHOR = """\
         self._pending_load_kwargs: dict[str, Any] | None = None
@@ -111,6 +111,10 @@ _PRE_FORWARD_CALL = """\
         self.kv_connector.bind_connector_metadata(kv_connector_metadata)
 """
 
+_BIND_CALL = """\
+        self.kv_connector.bind_connector_metadata(kv_connector_metadata)
+"""
+
 _ZEROING = """\
         # Zero GPU memory for freshly allocated cache blocks to prevent
 """
@@ -130,7 +134,7 @@ def _changes() -> list:
         Edit(
             CONNECTOR,
             _PRE_FORWARD_CALL,
-            "        self.kv_connector.bind_connector_metadata(kv_connector_metadata)\n",
+            _BIND_CALL,
             where="replace",
         ),
         Edit(RUNNER, _ZEROING, _RUNNER_CALL, where="before"),
@@ -140,7 +144,9 @@ def _changes() -> list:
 
 PATCH = InTreePatch(
     slug=SLUG,
-    subject="[Bugfix][Model Runner V2] handle_preemptions before new blocks are written",
+    subject=(
+        "[Bugfix][Model Runner V2] handle_preemptions before new blocks are written"
+    ),
     message=MESSAGE,
     changes={"0.32": _changes(), "0.33": _changes()},
 )
