@@ -45,10 +45,15 @@ def release(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"series{request.param.replace('.', '')}")
     version, files = intree.write_series(out, src)
     assert version.startswith(request.param + ".")
-    return dict(series=request.param, python=python, src=src, files=files)
+    # vLLM's own tests (the sdist's: the package has none), which some
+    # patches extend.
+    tests = intree.tests_root(src, version)
+    return dict(series=request.param, python=python, src=src, tests=tests, files=files)
 
 
 _added = intree.added_lines
+#: A PR text's "`pytest <file> [-k ...]`: N passed".
+CLAIM = r"`pytest (\S+)[^`]*`: (\d+) passed"
 
 
 def _message(patch: Path) -> str:
@@ -90,7 +95,7 @@ def test_every_patch_reads_as_vllms_own(release, git_submitter):
         for required in ("Pull Request Checklist", "**Design Fit:**", "Duplicate"):
             assert required in message, (patch.name, required)
         assert "AI assistance was used:" in message, patch.name
-        assert re.search(r"`pytest \S+`: \d+ passed", message), patch.name
+        assert re.search(CLAIM, message), patch.name
 
 
 def test_new_files_carry_spdx_and_pass_vllms_ruff(release, tmp_path):
@@ -124,26 +129,27 @@ VLLM_FORMAT = ["--isolated", "--line-length=88", "--target-version=py310"]
 
 
 def test_edited_vllm_files_stay_formatted(release, tmp_path):
-    """vLLM's files that the series edits are ruff-formatted in the release;
-    so they are after the series."""
+    """vLLM's files that the series edits, its tests included, are
+    ruff-formatted in the release; so they are after the series."""
     edited = sorted(
         {
             c.path
             for p in intree.patches()
             for c in p.for_series(release["series"])
-            if isinstance(c, Edit) and c.path.startswith("vllm/")
+            if isinstance(c, Edit) and c.path.startswith(("vllm/", "tests/"))
         }
     )
     repo = tmp_path / "repo"
     for path in edited:
+        root = release["tests"] if path.startswith("tests/") else release["src"]
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
-        (repo / path).write_bytes((release["src"] / path).read_bytes())
+        (repo / path).write_bytes((root / path).read_bytes())
     cmd = [sys.executable, "-m", "ruff", "format", "--check", "--diff", *VLLM_FORMAT]
     before = subprocess.run([*cmd, *edited], cwd=repo, capture_output=True, text=True)
     assert before.returncode == 0, before.stdout[-3000:]
     for patch in release["files"]:
         done = subprocess.run(
-            ["git", "apply", "--include=vllm/*", str(patch)],
+            ["git", "apply", "--include=vllm/*", "--include=tests/*", str(patch)],
             cwd=repo,
             capture_output=True,
             text=True,
@@ -155,14 +161,18 @@ def test_edited_vllm_files_stay_formatted(release, tmp_path):
 
 def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path):
     """Each patch written alone against the release (as its own PR) and
-    applied to a fresh copy of the release's vLLM; with no plugin, the
-    modules it edits import and its unit tests pass."""
+    applied to a fresh copy of the release's vLLM and its tests; with no
+    plugin, the modules it edits import and its unit tests pass: the files it
+    adds, and only the tests it appends to vLLM's test files. vLLM's
+    tests/conftest.py (model runners, HF downloads; it needs vLLM's test
+    requirements) is not loaded: the unit tests use pytest's fixtures only."""
     shim = no_plugin_shim(tmp_path / "shim")
     for name, spec in zip(intree.ORDER, intree.patches()):
         _v, files = intree.write_series(
             tmp_path / f"{name}-series", release["src"], only=[name]
         )
         copy = intree.copy_tree(release["src"], tmp_path / name)
+        intree.copy_tests(release["tests"], copy)
         intree.apply_series(copy, files)
         changes = spec.for_series(release["series"])
         modules = sorted(
@@ -172,15 +182,14 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
                 if c.path.startswith("vllm/")
             }
         )
-        # Unit tests; the engine tests (tests/v1/e2e/) run in test_intree_engines.
-        tests = [
-            c.path
-            for c in changes
-            if c.path.startswith("tests/") and not c.path.startswith("tests/v1/e2e/")
-        ]
+        tests = intree.unit_tests(changes)
         # One process a patch: the imports first (a failure exits 1 before
         # pytest starts, with its traceback), then the tests.
-        pytest_args = ["-v", "-p", "no:cacheprovider", "--rootdir", str(copy), *tests]
+        pytest_args = [
+            *("-v", "-p", "no:cacheprovider", "--noconftest", "--rootdir"),
+            str(copy),
+            *tests,
+        ]
         code = "import importlib, sys, vllm\n" + "".join(
             f"importlib.import_module({m!r})\n" for m in modules
         )
@@ -197,14 +206,30 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
         output = done.stdout + done.stderr
         assert done.returncode == 0, (name, output[-4000:])
         assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
-        # The PR text's "`pytest <file>`: N passed" is what pytest says here
-        # (where nothing skipped: an AMX host runs fewer layout cases).
-        claimed = dict(re.findall(r"`pytest (\S+)`: (\d+) passed", spec.message))
-        for test in tests:
-            results = re.findall(rf"^{re.escape(test)}::\S+ (\w+)", done.stdout, re.M)
-            if test in claimed and "SKIPPED" not in results:
+        # The PR text's "`pytest <file> [-k ...]`: N passed" is what pytest
+        # says here for the tests the patch adds to that file (where nothing
+        # skipped: an AMX host runs fewer layout cases).
+        claimed = dict(re.findall(CLAIM, spec.message))
+        for file in {t.split("::")[0] for t in tests}:
+            results = re.findall(rf"^{re.escape(file)}::\S+ (\w+)", done.stdout, re.M)
+            assert results, (name, file, done.stdout[-2000:])
+            if file in claimed and "SKIPPED" not in results:
                 passed = results.count("PASSED")
-                assert passed == int(claimed[test]), (name, test, passed)
+                assert passed == int(claimed[file]), (name, file, passed)
+
+
+def test_vllms_tests_come_from_the_releases_sdist():
+    """An installed vLLM has no tests/: the series reads vLLM's test files
+    from the sdist of the tree's release (the CPU build's 0.32.0 is vLLM's
+    0.32.0), checked against the published sha256; a dev build has no sdist
+    and is told to pass a checkout."""
+    from kvmem_tools import vllm_sdist
+
+    assert vllm_sdist.release_of("0.32.0+cpu") == "0.32.0"
+    root = intree.tests_root(intree.installed_vllm_root(), "0.32.0")
+    assert (root / "tests" / "v1" / "core" / "test_kv_cache_utils.py").is_file()
+    with pytest.raises(vllm_sdist.SdistUnavailable, match="source checkout"):
+        vllm_sdist.tests_root("0.34.0.dev0+g0123abc")
 
 
 def test_a_moved_anchor_fails_naming_patch_file_and_anchor(tmp_path):
@@ -253,19 +278,17 @@ def test_the_split_is_the_plugins_verbatim(release):
             ) == kv_arith.split_kv_budget(budget, stages)
 
 
-def _dev_tree(src: Path, dest: Path, version: str) -> Path:
-    """A tree holding the files the series edits from ``src`` and a
-    ``_version.py`` that says ``version`` (a dev build of the next release)."""
-    edited = {
-        c.path
-        for p in intree.patches()
-        for cs in p.changes.values()
-        for c in cs
-        if isinstance(c, Edit) and (src / c.path).is_file()
-    }
-    for path in edited:
-        (dest / path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src / path, dest / path)
+def _dev_tree(src: Path, tests: Path, dest: Path, version: str) -> Path:
+    """A tree holding the files the series edits from ``src`` (vLLM's test
+    files from ``tests``) and a ``_version.py`` that says ``version`` (a dev
+    build of the next release)."""
+    for p in intree.patches():
+        for cs in p.changes.values():
+            for c in cs:
+                root = tests if c.path.startswith("tests/") else src
+                if isinstance(c, Edit) and (root / c.path).is_file():
+                    (dest / c.path).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(root / c.path, dest / c.path)
     (dest / "vllm" / "_version.py").write_text(f"__version__ = {version!r}\n")
     return dest
 
@@ -280,7 +303,9 @@ def test_a_dev_tree_gets_the_nearest_releases_series(release, tmp_path):
     """A tree that says 0.34.0.dev0 (with the release's files) gets the
     series written for that release: each patch takes the variant of the
     nearest release whose anchors all match."""
-    tree = _dev_tree(release["src"], tmp_path / "tree", "0.34.0.dev0+g0123abc")
+    tree = _dev_tree(
+        release["src"], release["tests"], tmp_path / "tree", "0.34.0.dev0+g0123abc"
+    )
     version, files = intree.write_series(tmp_path / "out", tree)
     assert version == "0.34.0.dev0+g0123abc"
     assert list(map(_after_first_line, files)) == list(
@@ -290,7 +315,8 @@ def test_a_dev_tree_gets_the_nearest_releases_series(release, tmp_path):
 
 def test_a_missing_anchor_is_refused_naming_patch_file_and_anchor(tmp_path):
     src = intree.installed_vllm_root()
-    tree = _dev_tree(src, tmp_path / "tree", "0.34.0.dev7+gabcdef0")
+    tests = intree.tests_root(src, "0.32.0")
+    tree = _dev_tree(src, tests, tmp_path / "tree", "0.34.0.dev7+gabcdef0")
     cache = tree / "vllm" / "config" / "cache.py"
     anchor = '    (when not-None) ignores gpu_memory_utilization"""'
     cache.write_text(cache.read_text().replace(anchor, anchor.replace("not-", "")))
@@ -329,28 +355,42 @@ def test_no_git_identity_is_refused_in_one_line(tmp_path, monkeypatch):
 
 
 def test_a_checkout_gets_the_ci_wiring(tmp_path):
-    """A source checkout (it has ``.buildkite/``) gets the CPU tests added
-    to the CPU-Kernel Tests step; an installed package is told it has none."""
-    tree = _dev_tree(intree.installed_vllm_root(), tmp_path / "tree", "0.32.0")
+    """A source checkout (it has ``.buildkite/``) gets the CPU-Kernel Tests
+    step wired: the CPU attention backend among its source dependencies (its
+    tests are in a file the step runs), the CPU MLA layout test in its
+    command; an installed package is told it has no such folder."""
+    src = intree.installed_vllm_root()
+    tree = _dev_tree(src, intree.tests_root(src, "0.32.0"), tmp_path / "tree", "0.32.0")
     ci = tree / ".buildkite" / "hardware_tests" / "cpu.yaml"
     ci.parent.mkdir(parents=True)
     ci.write_text(
         "  source_file_dependencies:\n"
+        "  - tests/kernels/attention/test_cpu_attn.py\n"
         "  - tests/v1/attention/test_group_head_counts.py\n"
         "  - tests/kernels/attention/test_amx_mla.py\n"
         "  commands:\n"
         "      pytest -x -v -s \\\n"
+        "      tests/kernels/attention/test_cpu_attn.py \\\n"
         "      tests/v1/attention/test_group_head_counts.py \\\n"
         "      tests/kernels/attention/test_amx_mla.py \\\n"
     )
     _v, files = intree.write_series(tmp_path / "out", tree)
-    wired = [
-        p.name
+    wired = {
+        p.name: lines
         for p in files
         for f, lines in _added(p).items()
-        if f == ".buildkite/hardware_tests/cpu.yaml" and len(lines) == 3
+        if f == ".buildkite/hardware_tests/cpu.yaml"
+    }
+    assert len(wired) == 2
+    (attn,) = [lines for name, lines in wired.items() if "CPU_ATTN" in name]
+    (mla,) = [lines for name, lines in wired.items() if "MLA" in name]
+    assert attn == ["  - vllm/v1/attention/backends/cpu_attn.py"]
+    assert mla == [
+        "  - tests/v1/attention/test_cpu_mla_backend.py",
+        "  - vllm/v1/attention/backends/mla/cpu_mla.py",
+        "      tests/v1/attention/test_cpu_mla_backend.py::"
+        "test_cpu_mla_kv_cache_layout_is_layer_compact \\",
     ]
-    assert len(wired) == 2 and "CPU_ATTN" in wired[0] and "MLA" in wired[1]
     notes: list[str] = []
     intree.write_series(tmp_path / "out2", None, notes)
     assert any(".buildkite/hardware_tests/cpu.yaml left out" in n for n in notes)

@@ -75,18 +75,18 @@ def series_tree(request, tmp_path_factory):
     else:
         python, src = request.getfixturevalue("vllm033_python"), site_033()
     base = tmp_path_factory.mktemp(f"native{request.param.replace('.', '')}")
-    _v, files = intree.write_series(base / "series", src)
+    version, files = intree.write_series(base / "series", src)
     tree = intree.copy_tree(src, base / "tree")
+    # vLLM's own tests (the sdist's), which some patches extend.
+    intree.copy_tests(intree.tests_root(src, version), tree)
     intree.apply_series(tree, files)
-    # The unit tests (the engine tests, tests/v1/e2e, run in test_intree_engines).
+    # The unit tests: the files the patches add and the tests they append to
+    # vLLM's (the engine tests, tests/v1/e2e, run in test_intree_engines).
     tests = sorted(
         {
-            c.path
+            t
             for p in intree.patches()
-            for c in p.for_series(request.param)
-            if c.path.startswith("tests/")
-            and not c.path.startswith("tests/v1/e2e/")
-            and (tree / c.path).is_file()
+            for t in intree.unit_tests(p.for_series(request.param))
         }
     )
     return dict(series=request.param, python=python, tree=tree, tests=tests)
@@ -94,7 +94,8 @@ def series_tree(request, tmp_path_factory):
 
 def _pytest(series_tree: dict, env: dict, args: list[str]) -> str:
     """Run pytest on ``args`` in a fresh process of the tree's vLLM."""
-    pytest_args = ["-rfE", "-p", "no:cacheprovider", "--rootdir", ".", *args]
+    pytest_args = ["-rfE", "-p", "no:cacheprovider", "--noconftest", "--rootdir", "."]
+    pytest_args += args
     code = (
         AMX_PERMISSION + f"import pytest, sys\nsys.exit(pytest.main({pytest_args!r}))\n"
     )
@@ -108,7 +109,8 @@ def test_the_series_unit_tests_pass_with_the_plugin(series_tree, tmp_path):
     series' features natively: the series' unit tests all pass, and the
     host tier's flags (not native) are still the plugin's."""
     tree = series_tree["tree"]
-    args = ["-q", "-p", "no:cacheprovider", "--rootdir", ".", *series_tree["tests"]]
+    args = ["-q", "-p", "no:cacheprovider", "--noconftest", "--rootdir", "."]
+    args += series_tree["tests"]
     code = (
         AMX_PERMISSION
         + f"""\

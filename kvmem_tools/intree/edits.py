@@ -32,16 +32,22 @@ class AnchorError(ValueError):
 
 @dataclass(frozen=True)
 class Edit:
-    """Insert ``text`` after (or before) ``anchor`` in ``path``, or replace it."""
+    """Insert ``text`` after (or before) ``anchor`` in ``path``, or replace it;
+    ``where="end"``: append it to the file (``anchor`` empty), as a test added
+    to an existing suite of vLLM is."""
 
     path: str
     anchor: str
     text: str
-    where: Literal["after", "before", "replace"] = "after"
+    where: Literal["after", "before", "replace", "end"] = "after"
 
     def edited(self, source: str, patch: str) -> str:
         """``source`` with this edit made; raises ``AnchorError`` naming the
         patch, the file and the anchor unless the anchor occurs once."""
+        if self.where == "end":
+            if self.anchor:
+                raise ValueError(f"patch {patch}: {self.path}: an append has no anchor")
+            return source + self.text
         count = source.count(self.anchor)
         if count != 1:
             raise AnchorError(
@@ -59,6 +65,20 @@ class Edit:
     def apply(self, root: Path, patch: str) -> None:
         file = root / self.path
         file.write_text(self.edited(file.read_text(), patch))
+
+
+def appended(
+    path: str, source: Path, renames: tuple[tuple[str, str], ...] = ()
+) -> Edit:
+    """The tests in ``source`` appended to vLLM's test file ``path`` (after
+    two blank lines): a PR's tests join the suite that covers its code.
+    ``renames``: ``(text in source, text here)`` pairs, for another release."""
+    text = source.read_text()
+    for old, new in renames:
+        if old not in text:
+            raise ValueError(f"{source}: no {old!r}")
+        text = text.replace(old, new)
+    return Edit(path, "", "\n\n" + text, where="end")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,15 @@ tree as the patches before it left it; only when none does is the tree
 refused, naming the patch, the file and the anchor. An edit of a file that
 only a source checkout holds (``.buildkite/``) is left out, and said so, for
 an installed package or a wheel, which have no such folder.
+
+A PR's tests join vLLM's existing suites where one fits (vLLM's AGENTS.md:
+extend existing test files): an ``Edit`` of ``tests/...`` (imports at their
+anchors, the tests appended: ``edits.appended``). An installed package or a
+wheel has no ``tests/``, so those files are read from the sdist of the
+tree's release (``kvmem_tools.vllm_sdist``, fetched once and cached;
+``tests_root``). To run such tests, ``copy_tests`` puts vLLM's tests beside
+a ``copy_tree`` before ``apply_series``; without them, ``apply_series``
+leaves those edits out (an engine run needs only the files a patch adds).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmem_tools import vllm_sdist
 from kvmem_tools.intree.edits import AnchorError, Edit, NewFile
 from kvmem_tools.vllm_sources import SourceTree
 
@@ -170,6 +180,40 @@ def _git(repo: Path, env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
+def tests_root(tree: Path, version: str) -> Path:
+    """A folder holding vLLM's ``tests/`` for the tree ``tree`` of vLLM
+    ``version``: the tree itself when it is a source checkout, else the
+    sdist of its release (``kvmem_tools.vllm_sdist``: fetched once, cached;
+    an installed package or a wheel has no tests)."""
+    if (tree / "tests" / "conftest.py").is_file():
+        return tree
+    return vllm_sdist.tests_root(version)
+
+
+def _has_vllm_tests(source: SourceTree) -> bool:
+    """``source`` holds vLLM's ``tests/`` (a checkout, or a tree made like
+    one), not an installed package or a wheel, whose tests are the sdist's
+    (a ``tests/`` in ``site-packages`` is some other distribution's)."""
+    if source.root.suffix == ".whl" or not source.has_folder("tests"):
+        return False
+    return not any(source.root.glob("vllm*.dist-info"))
+
+
+def copy_tests(root: Path, dest: Path) -> Path:
+    """vLLM's ``tests/`` under ``root`` at ``dest/tests``, for a patch to be
+    applied to: Python files copied, every other file linked."""
+    for folder, dirs, names in os.walk(root / "tests"):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        to = dest / Path(folder).relative_to(root)
+        to.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            if name.endswith(".py"):
+                shutil.copy2(Path(folder) / name, to / name)
+            else:
+                os.symlink(Path(folder) / name, to / name)
+    return dest
+
+
 def _checkout_only(source: SourceTree, path: str) -> bool:
     """``path`` is a file only a source checkout holds, and ``source`` is
     not one (an installed package or a wheel)."""
@@ -178,7 +222,12 @@ def _checkout_only(source: SourceTree, path: str) -> bool:
 
 
 def _fitting(
-    patch: InTreePatch, series: str, repo: Path, source: SourceTree, notes: list[str]
+    patch: InTreePatch,
+    series: str,
+    repo: Path,
+    source: SourceTree,
+    notes: list[str],
+    no_tests: str | None = None,
 ) -> list[Edit | NewFile]:
     """The changes of ``patch`` for the tree in ``repo``: those of the
     nearest release whose anchors all match there. Raises the nearest
@@ -196,7 +245,12 @@ def _fitting(
                     file = repo / change.path
                     if not file.is_file():
                         if _checkout_only(source, change.path):
-                            skipped.append(change.path)
+                            skipped.append(
+                                (change.path, "the tree is no source checkout")
+                            )
+                            continue
+                        if no_tests and change.path.startswith("tests/"):
+                            skipped.append((change.path, no_tests))
                             continue
                         raise AnchorError(
                             f"patch {patch.slug}: {change.path}: no such file in "
@@ -209,8 +263,8 @@ def _fitting(
             errors.append(e)
             continue
         notes += [
-            f"{patch.slug}: {path} left out (the tree is no source checkout)"
-            for path in sorted(set(skipped))
+            f"{patch.slug}: {path} left out ({why})"
+            for path, why in sorted(set(skipped))
         ]
         return changes
     raise errors[0]
@@ -249,7 +303,10 @@ def write_series(
     with tempfile.TemporaryDirectory(prefix="kvmem-intree-") as tmp:
         repo = Path(tmp)
         _git(repo, env, "init", "-q", "-b", "main")
-        # Every file any variant edits, as far as the tree has it.
+        # Every file any variant edits, as far as the tree has it; vLLM's
+        # test files from its tests (the sdist's, for a package or a wheel).
+        tests: SourceTree | None = None
+        no_tests = None
         for relpath in sorted(
             {
                 c.path
@@ -260,6 +317,12 @@ def write_series(
             }
         ):
             data = source.read(relpath)
+            if relpath.startswith("tests/") and not _has_vllm_tests(source):
+                try:
+                    tests = tests or SourceTree(tests_root(tree, version))
+                except vllm_sdist.SdistUnavailable as e:
+                    no_tests = f"vLLM's tests unavailable: {e}"
+                data = tests.read(relpath) if tests else None
             if data is not None:
                 (repo / relpath).parent.mkdir(parents=True, exist_ok=True)
                 (repo / relpath).write_bytes(data)
@@ -267,7 +330,7 @@ def write_series(
         _git(repo, env, "commit", "-q", "--allow-empty", "-m", f"vLLM {version}")
         base = _git(repo, env, "rev-parse", "HEAD").strip()
         for patch in every:
-            for change in _fitting(patch, series, repo, source, notes):
+            for change in _fitting(patch, series, repo, source, notes, no_tests):
                 change.apply(repo, patch.slug)
             _git(repo, env, "add", "-A")
             message = f"{patch.subject}\n\n{patch.message}"
@@ -278,11 +341,44 @@ def write_series(
     return version, sorted(out.glob("*.patch"))
 
 
+def unit_tests(changes: Sequence[Edit | NewFile]) -> list[str]:
+    """A patch's unit tests as pytest arguments: each test file it adds and
+    each test function it appends to one of vLLM's test files (node ids,
+    ``file::name``: the rest of vLLM's file is not the patch's to run). The
+    engine tests (``tests/v1/e2e/``) are left to the engine harnesses. Run
+    them on a ``copy_tree`` with ``copy_tests``, with ``--noconftest``:
+    vLLM's ``tests/conftest.py`` needs vLLM's test requirements."""
+    out: list[str] = []
+    for c in changes:
+        if not c.path.startswith("tests/") or c.path.startswith("tests/v1/e2e/"):
+            continue
+        if isinstance(c, Edit):
+            names = re.findall(r"^def (test_\w+)\(", c.text, flags=re.M)
+            out += [f"{c.path}::{n}" for n in names]
+        else:
+            out.append(c.path)
+    return out
+
+
+def _absent_vllm_tests(root: Path, patch: Path) -> list[str]:
+    """The test files of vLLM that ``patch`` edits (not adds) and the tree
+    under ``root`` lacks (an installed package has no ``tests/``)."""
+    edited = re.findall(
+        r"^diff --git a/(tests/\S+) b/\S+\n(?!new file)",
+        patch.read_text(),
+        flags=re.M,
+    )
+    return [path for path in edited if not (root / path).is_file()]
+
+
 def apply_series(root: Path, files: list[Path]) -> None:
-    """``git apply`` each patch to the tree under ``root``, in order."""
+    """``git apply`` each patch to the tree under ``root``, in order. Edits
+    of vLLM's own test files are left out where the tree has none of them
+    (``copy_tests`` puts them in)."""
     for patch in files:
+        excluded = [f"--exclude={p}" for p in _absent_vllm_tests(root, patch)]
         done = subprocess.run(
-            ["git", "apply", "--whitespace=nowarn", str(patch)],
+            ["git", "apply", "--whitespace=nowarn", *excluded, str(patch)],
             cwd=root,
             capture_output=True,
             text=True,

@@ -4,16 +4,19 @@
 a connector requiring BLHNC got it and the first forward pass failed. They
 now declare their layer-outer layouts. Its own PR (it was carried by the
 CPU_ATTN layout PR before): a fix for another backend, needed with or
-without that PR. Its test joins the CPU-Kernel Tests step of ``.buildkite``.
+without that PR. Its test joins vLLM's CPU MLA backend tests
+(``tests/v1/attention/test_cpu_mla_backend.py``), and that test the
+CPU-Kernel Tests step of ``.buildkite`` (the file is in no CI step yet).
 """
 
-from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.edits import Edit, appended
 from kvmem_tools.intree.patches.cpu_attn_block_outer import ci_edits
 from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "cpu_mla_kv_cache_layouts"
-TEST = "tests/v1/attention/test_cpu_mla_kv_cache_layout.py"
+TEST = "tests/v1/attention/test_cpu_mla_backend.py"
+TEST_NAME = "test_cpu_mla_kv_cache_layout_is_layer_compact"
 
 MESSAGE = pr_text(
     overview="""\
@@ -30,9 +33,9 @@ vLLM's warning instead of crashing in the first forward pass.""",
     validation=f"""\
 On CPU (x86, AVX-512 with AMX tiles), vLLM 0.32.0 and 0.33.0, this PR alone:
 
-- `pytest {TEST}`: 2 passed (both backends): the declared layouts are
-  layer-compact; `LBNHC` by default and for a connector requiring `BLHNC`;
-  the env var is refused.
+- `pytest {TEST} -k {TEST_NAME}`: 2 passed (both backends; added to
+  vLLM's CPU MLA tests): the declared layouts are layer-compact; `LBNHC` by
+  default and for a connector requiring `BLHNC`; the env var is refused.
 - Reproducer (not in CI): DeepSeek-V2 (2 layers, `load_format="dummy"`) on
   `CPU_MLA` with a connector requiring `BLHNC`, 8 greedy tokens. Before:
   `Using BLHNC KV cache layout.`, then the view error in the first forward.
@@ -76,6 +79,19 @@ _MLA = """
 """
 
 _BACKENDS = "vllm/v1/attention/backends/mla/"
+#: What the test needs, in the places vLLM's import order puts it.
+_TEST_IMPORTS = (
+    "from vllm.config import KVTransferConfig, VllmConfig\n"
+    "from vllm.distributed.kv_transfer.kv_connector.v1.base import "
+    "KVConnectorBase_V1\n",
+    "from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend\n"
+    "from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend\n",
+    "from vllm.v1.attention.backends.utils import (\n"
+    "    get_supported_kv_cache_layouts,\n"
+    "    resolve_kv_cache_layout,\n"
+    ")\n"
+    "from vllm.v1.kv_cache_interface import KVCacheLayout, MLAAttentionSpec\n",
+)
 _IMPORT = "from vllm.v1.kv_cache_interface import KVCacheLayout\n"
 
 
@@ -95,9 +111,22 @@ def _changes() -> list:
             _IMPORT,
         ),
         Edit(_BACKENDS + "amx_mla.py", "        return block_size % 32 == 0\n", _MLA),
-        NewFile(TEST, FILES / SLUG / TEST),
-        *ci_edits(
+        Edit(
             TEST,
+            "from vllm.platforms import current_platform\n",
+            _TEST_IMPORTS[0],
+            "before",
+        ),
+        Edit(
+            TEST,
+            "from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import (\n",
+            _TEST_IMPORTS[1],
+            "before",
+        ),
+        Edit(TEST, "    ZenCPUSDPAMLAPrefillBackend,\n)\n", _TEST_IMPORTS[2]),
+        appended(TEST, FILES / SLUG / "appended" / TEST),
+        *ci_edits(
+            f"{TEST}::{TEST_NAME}",
             "tests/kernels/attention/test_amx_mla.py",
             _BACKENDS + "cpu_mla.py",
         ),

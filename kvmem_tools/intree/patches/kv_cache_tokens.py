@@ -9,13 +9,19 @@ left after the null block; the CPU worker reports its node's free memory as
 the limit instead of failing on its ``gpu_memory_utilization`` reservation.
 """
 
-from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.edits import Edit, NewFile, appended
 from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "kv_cache_tokens"
 ENGINE_TEST = "tests/v1/e2e/general/test_kv_cache_tokens_engine.py"
-UNIT_TEST = "tests/v1/core/test_kv_cache_tokens.py"
+#: The unit tests join vLLM's planner tests (0.33: test_kv_cache_planning.py;
+#: 0.32: test_kv_cache_utils.py, where the planner was), on their helpers
+#: (``new_kv_cache_spec``, ``get_kv_cache_configs`` of the specs alone).
+UNIT_TESTS = {
+    "0.33": "tests/v1/core/test_kv_cache_planning.py",
+    "0.32": "tests/v1/core/test_kv_cache_utils.py",
+}
 
 MESSAGE = pr_text(
     overview="""\
@@ -35,7 +41,10 @@ model).""",
     validation=f"""\
 On CPU (vLLM's CPU build), vLLM 0.32.0 and 0.33.0; not run on GPUs:
 
-- `pytest {UNIT_TEST}`: 17 passed. Synthetic specs and a model config
+- `pytest {UNIT_TESTS["0.33"]} -k kv_cache_tokens`: 17 passed; on
+  0.32, where the planner was in `kv_cache_utils.py`,
+  `pytest {UNIT_TESTS["0.32"]} -k kv_cache_tokens`: 17 passed. Added to
+  vLLM's planner tests, on their helpers; synthetic specs and a model config
   without weights: block counts for several budgets, block sizes and
   `max_model_len` values (the usable blocks hold the budget, one fewer would
   not), stages of 6 and 2 layers, a full + sliding window model, auto-fit,
@@ -209,26 +218,43 @@ _CPU_WORKER = """\
 """
 
 
-#: The test is written for vLLM 0.33; in 0.32 the planner is in kv_cache_utils
-#: and groups the layers itself.
-_TEST_RENAMES = (
-    (
-        "from vllm.v1.core.kv_cache_planning import (\n"
-        "    get_global_kv_cache_groups,\n"
-        "    get_kv_cache_configs,\n"
-        ")\n"
-        "from vllm.v1.core.kv_cache_utils import (\n"
-        "    get_kv_cache_capacity,\n",
-        "from vllm.v1.core.kv_cache_utils import (\n"
-        "    get_kv_cache_capacity,\n"
-        "    get_kv_cache_configs,\n",
-    ),
-    (
-        "    groups = get_global_kv_cache_groups(config, specs)\n"
-        "    return config, get_kv_cache_configs(config, specs, memory, groups)\n",
-        "    return config, get_kv_cache_configs(config, specs, memory)\n",
-    ),
-)
+_APPENDED = FILES / SLUG / "appended" / UNIT_TESTS["0.33"]
+_MODEL = "from transformers import LlamaConfig\n"
+_MOCK = "from unittest.mock import patch\n"
+_ENGINE_ARGS = "from vllm.engine.arg_utils import EngineArgs\n"
+_PARSER = "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+
+
+def _test_edits(builder: bool) -> list:
+    """The unit tests, appended to the release's planner tests, and what they
+    import, where vLLM's import order puts it."""
+    if builder:
+        test = UNIT_TESTS["0.33"]
+        return [
+            Edit(test, "from types import SimpleNamespace\n", _MOCK),
+            Edit(test, "import pytest\nimport torch\n", _MODEL),
+            Edit(
+                test,
+                "from vllm.utils.mem_constants import GiB_bytes\n",
+                _ENGINE_ARGS + _PARSER,
+                where="before",
+            ),
+            appended(test, _APPENDED),
+        ]
+    test = UNIT_TESTS["0.32"]
+    return [
+        Edit(test, "from typing import Any\n", _MOCK),
+        Edit(test, "import pytest\nimport torch\n", _MODEL),
+        Edit(
+            test, "from vllm.lora.request import LoRARequest\n", _ENGINE_ARGS, "before"
+        ),
+        Edit(test, "from vllm.utils.hashing import ", _PARSER, where="before"),
+        appended(
+            test,
+            _APPENDED,
+            renames=(("(kv_cache_planning, ", "(kv_cache_utils, "),),
+        ),
+    ]
 
 
 def _changes(planner: str, builder: bool) -> list:
@@ -332,13 +358,7 @@ def _changes(planner: str, builder: bool) -> list:
             )
         )
     changes.append(NewFile(ENGINE_TEST, FILES / SLUG / ENGINE_TEST))
-    changes.append(
-        NewFile(
-            UNIT_TEST,
-            FILES / SLUG / UNIT_TEST,
-            renames=() if builder else _TEST_RENAMES,
-        )
-    )
+    changes += _test_edits(builder)
     return changes
 
 

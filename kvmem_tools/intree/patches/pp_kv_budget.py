@@ -9,13 +9,21 @@ The arithmetic is ``_split_kv_budget``, whose body is that of the plugin's
 them equal).
 """
 
-from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.edits import Edit, NewFile, appended
 from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "pp_kv_budget"
 ENGINE_TEST = "tests/v1/e2e/general/test_pp_kv_cache_budget.py"
-UNIT_TEST = "tests/v1/core/test_pp_kv_budget.py"
+#: The unit tests join vLLM's planner tests (0.33: test_kv_cache_planning.py;
+#: 0.32: test_kv_cache_utils.py, where the planner was); the flag's, its
+#: engine argument tests.
+UNIT_TESTS = {
+    "0.33": "tests/v1/core/test_kv_cache_planning.py",
+    "0.32": "tests/v1/core/test_kv_cache_utils.py",
+}
+ARG_TEST = "tests/engine/test_arg_utils.py"
+_APPENDED = FILES / SLUG / "appended" / UNIT_TESTS["0.33"]
 
 MESSAGE = pr_text(
     overview="""\
@@ -38,12 +46,17 @@ pipeline's.""",
 On CPU (vLLM's CPU build, pipeline ranks as processes), vLLM 0.32.0 and
 0.33.0; not run on GPUs:
 
-- `pytest {UNIT_TEST}`: 8 passed. Synthetic per-worker specs (6/2 and 4/4
-  layers, 2 and 8 KV heads, TP 2 x PP 2), no model: shares follow the bytes
-  per block, one block count on every stage, the sum within the budget; a
-  stage without KV cache layers and workers out of stage order are refused;
-  an attention-free model keeps its memory; the flag needs
+- `pytest {UNIT_TESTS["0.33"]} -k pp_prop_kv_cache`: 7 passed; on 0.32,
+  where the planner was in `kv_cache_utils.py`,
+  `pytest {UNIT_TESTS["0.32"]} -k pp_prop_kv_cache`: 7 passed. Added to
+  vLLM's planner tests; synthetic per-worker specs (6/2 and 4/4 layers, 2
+  and 8 KV heads, TP 2 x PP 2), no model: shares follow the bytes per
+  block, one block count on every stage, the sum within the budget; a stage
+  without KV cache layers and workers out of stage order are refused; an
+  attention-free model keeps its memory; the flag needs
   `--kv-cache-memory-bytes`.
+- `pytest {ARG_TEST} -k pp_prop_kv_cache`: 1 passed (the flag reaches the
+  engine arguments).
 - `pytest {ENGINE_TEST}`: 1 passed. A pipeline of 2 on
   `hmellor/tiny-random-LlamaForCausalLM` (layers 6 and 2, float32, 128-token
   blocks of 128 KiB per layer), budget 24 MiB: 24 blocks on each stage,
@@ -210,8 +223,10 @@ def _planner_edit(path: str, bytes_per_block: str) -> Edit:
     )
 
 
-def _changes(planner: str, bytes_per_block: str, before_planner: str) -> list:
-    module = planner.removesuffix(".py").replace("/", ".")
+def _changes(
+    planner: str, bytes_per_block: str, before_planner: str, unit_test: str
+) -> list:
+    module = planner.removesuffix(".py").rsplit("/", 1)[1]
     return [
         Edit(
             "vllm/config/cache.py",
@@ -253,11 +268,18 @@ def _changes(planner: str, bytes_per_block: str, before_planner: str) -> list:
         _planner_edit(planner, bytes_per_block),
         Edit(planner, before_planner, _SPLIT + "\n\n", where="before"),
         NewFile(ENGINE_TEST, FILES / SLUG / ENGINE_TEST),
-        NewFile(
-            UNIT_TEST,
-            FILES / SLUG / UNIT_TEST,
-            renames=(("vllm.v1.core.kv_cache_planning", module),),
+        # The unit tests join vLLM's planner tests, on their helpers.
+        Edit(
+            unit_test,
+            "from vllm.config import (\n    CacheConfig,\n    ModelConfig,\n",
+            "    ParallelConfig,\n",
         ),
+        appended(
+            unit_test,
+            _APPENDED,
+            renames=(("kv_cache_planning._split", f"{module}._split"),),
+        ),
+        appended(ARG_TEST, FILES / SLUG / "appended" / ARG_TEST),
     ]
 
 
@@ -270,11 +292,13 @@ PATCH = InTreePatch(
             "vllm/v1/core/kv_cache_utils.py",
             "_pool_bytes_per_block(vllm_config, groups)",
             "def get_kv_cache_configs(\n",
+            UNIT_TESTS["0.32"],
         ),
         "0.33": _changes(
             "vllm/v1/core/kv_cache_planning.py",
             "_pool_bytes_per_block_from_builder(builder, vllm_config, groups)",
             "def get_kv_cache_configs(\n",
+            UNIT_TESTS["0.33"],
         ),
     },
 )
