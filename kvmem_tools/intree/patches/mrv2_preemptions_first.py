@@ -10,14 +10,15 @@ store of a preempted request, a late spill) reads zeros or another block's
 KV. The call moves to the start of ``update_requests``.
 """
 
-from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.edits import Edit, appended
 from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
 SLUG = "mrv2_preemptions_first"
 RUNNER = "vllm/v1/worker/gpu/model_runner.py"
 CONNECTOR = "vllm/v1/worker/gpu/kv_connector.py"
-TEST = "tests/v1/worker/test_gpu_kv_connector_order.py"
+TEST = "tests/v1/worker/test_gpu_kv_connector.py"
+TEST_NAME = "test_preemptions_are_handled_before_update_requests_writes"
 
 MESSAGE = pr_text(
     overview="""\
@@ -40,11 +41,13 @@ connectors the same order.
         "Runners and connectors that do not override the hook are unaffected.",
     ],
     validation=f"""\
-- `pytest {TEST}`: 2 passed (CPU build of vLLM 0.32.0 and 0.33.0). V2's
-  real `update_requests` on a stand-in for the runner's GPU state (no GPU
-  here): the connector's `handle_preemptions` is called before the zeroing
-  and the copy-on-write copy; `ActiveKVConnector.pre_forward` no longer calls
-  it. Both tests fail on the current order.
+- `pytest {TEST} -k {TEST_NAME}`: 1 passed (CPU build of vLLM 0.32.0 and
+  0.33.0). It runs V2's real `update_requests` on a stand-in for the
+  runner's GPU state (no GPU here): the connector's `handle_preemptions`
+  comes before the zeroing and the copy-on-write copy, and `pre_forward` no
+  longer calls it. It fails on the current order. The file's existing
+  tests now expect no `handle` from `pre_forward` and `no_forward`; the
+  whole file passes (4 tests on 0.32.0, 5 on 0.33.0).
 - Not run on a GPU: an engine check under V2 with a connector that reads
   evicted blocks in `handle_preemptions` is for the submitter's CUDA run.
 """,
@@ -127,26 +130,86 @@ _RUNNER_CALL = """\
 """
 
 
-def _changes() -> list:
+_TEST_IMPORTS = (
+    "import numpy as np\n",
+    "import vllm.v1.worker.gpu.model_runner as v2_runner\n",
+    "from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy\n"
+    "from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput\n",
+)
+#: The file's check that pre_forward hands preemptions over, as vLLM has it
+#: and without them.
+_PRE_FORWARD_EVENTS = (
+    "    assert events == (\n"
+    '        ["handle", "bind", "start"] if has_sync_kv_loads else ["handle", "bind"]\n'
+    "    )\n"
+)
+_PRE_FORWARD_EVENTS_NOW = (
+    '    assert events == (["bind", "start"] if has_sync_kv_loads else ["bind"])\n'
+)
+
+
+def _changes(release: str) -> list:
+    waits = ["clear"] if release == "0.32" else ["results", "clear"]
+    tail = ", ".join(f'"{w}"' for w in waits)
+    handle_first = [
+        Edit(
+            TEST,
+            "    connector.post_forward(set())\n"
+            f'    assert events == ["handle", "bind", "start", "wait", {tail}]\n',
+            "    connector.post_forward(set())\n"
+            f'    assert events == ["bind", "start", "wait", {tail}]\n',
+            where="replace",
+        ),
+        Edit(
+            TEST,
+            "    connector.no_forward(_scheduler_output(False))\n\n"
+            f'    assert events == ["handle", "bind", "start", "wait", {tail}]\n',
+            "    connector.no_forward(_scheduler_output(False))\n\n"
+            f'    assert events == ["bind", "start", "wait", {tail}]\n',
+            where="replace",
+        ),
+        Edit(TEST, _PRE_FORWARD_EVENTS, _PRE_FORWARD_EVENTS_NOW, where="replace"),
+    ]
+    if release == "0.33":
+        handle_first += [
+            Edit(
+                TEST,
+                '    assert events == ["handle", "bind", "start", "results"]\n',
+                '    assert events == ["bind", "start", "results"]\n',
+                where="replace",
+            ),
+            Edit(
+                TEST,
+                '["handle", "bind", "start", "results", "wait", "clear"]',
+                '["bind", "start", "results", "wait", "clear"]',
+                where="replace",
+            ),
+        ]
     return [
         Edit(CONNECTOR, _BASE_ANCHOR, _BASE_HOOK),
         Edit(CONNECTOR, _ACTIVE_ANCHOR, _ACTIVE_HOOK),
-        Edit(
-            CONNECTOR,
-            _PRE_FORWARD_CALL,
-            _BIND_CALL,
-            where="replace",
-        ),
+        Edit(CONNECTOR, _PRE_FORWARD_CALL, _BIND_CALL, where="replace"),
         Edit(RUNNER, _ZEROING, _RUNNER_CALL, where="before"),
-        NewFile(TEST, FILES / SLUG / TEST),
+        Edit(TEST, "import pytest\n", _TEST_IMPORTS[0], where="before"),
+        Edit(
+            TEST,
+            "import vllm.v1.worker.gpu.kv_connector as kv_connector_module\n",
+            _TEST_IMPORTS[1],
+        ),
+        Edit(
+            TEST,
+            "from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector\n",
+            _TEST_IMPORTS[2],
+            where="before",
+        ),
+        *handle_first,
+        appended(TEST, FILES / SLUG / "appended" / TEST),
     ]
 
 
 PATCH = InTreePatch(
     slug=SLUG,
-    subject=(
-        "[Bugfix][Model Runner V2] handle_preemptions before new blocks are written"
-    ),
+    subject="[Bugfix][Model Runner V2] Connector preemptions first",
     message=MESSAGE,
-    changes={"0.32": _changes(), "0.33": _changes()},
+    changes={"0.32": _changes("0.32"), "0.33": _changes("0.33")},
 )
