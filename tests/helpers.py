@@ -519,3 +519,52 @@ def no_plugin_shim(folder: Path) -> Path:
         "raise ImportError('the in-tree vLLM imported vllm_kvmem')\n"
     )
     return folder
+
+
+#: vLLM's own unit tests build a ``ModelConfig`` for ``facebook/opt-125m``
+#: (``tests/v1/simple_kv_offload/test_scheduler.py``): only its config.json is
+#: read, so a Hugging Face cache holding the published config resolves it
+#: offline (no weights, no tokenizer).
+OPT_125M = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 768,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "ffn_dim": 3072,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "activation_function": "relu",
+    "enable_bias": True,
+    "pad_token_id": 1,
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "torch_dtype": "float16",
+}
+
+
+def vllm_unit_test_env(folder: Path) -> dict[str, str]:
+    """The environment in which vLLM's own unit tests find the models they
+    name, offline: a Hugging Face cache under ``folder``."""
+    repo = folder / "models--facebook--opt-125m"
+    commit = "0" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps(OPT_125M))
+    return {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(folder)}
+
+
+def runnable_unit_tests(tests: list[str], tree: Path) -> list[str]:
+    """A patch's unit tests (``kvmem_tools.intree.series.unit_tests``) as
+    pytest arguments on this machine: a vLLM test file that skips at import
+    here (its CUDA-only suites) is passed whole, so that pytest reports the
+    module skipped instead of finding no test for a node id."""
+    out: dict[str, None] = {}
+    for test in tests:
+        file = test.split("::")[0]
+        skips = "allow_module_level=True" in (tree / file).read_text()
+        out[file if skips else test] = None
+    return list(out)

@@ -21,7 +21,15 @@ from pathlib import Path
 import pytest
 
 from kvmem_tools.intree import series as intree
-from tests.helpers import ROOT, engine_env, no_plugin_shim, run_engine, site_033
+from tests.helpers import (
+    ROOT,
+    engine_env,
+    no_plugin_shim,
+    run_engine,
+    runnable_unit_tests,
+    site_033,
+    vllm_unit_test_env,
+)
 from vllm_kvmem.patches import ALL_PATCHES
 from vllm_kvmem.patches._native import FEATURES, native_features
 from vllm_kvmem.patches._registry import standing_down
@@ -89,7 +97,9 @@ def series_tree(request, tmp_path_factory):
             for t in intree.unit_tests(p.for_series(request.param))
         }
     )
-    return dict(series=request.param, python=python, tree=tree, tests=tests)
+    tests = runnable_unit_tests(tests, tree)
+    hub = vllm_unit_test_env(base / "hub")
+    return dict(series=request.param, python=python, tree=tree, tests=tests, hub=hub)
 
 
 def _pytest(series_tree: dict, env: dict, args: list[str]) -> str:
@@ -128,7 +138,7 @@ if "--kv-host-cache-bytes" not in flags:
 sys.exit(code)
 """
     )
-    done = _run(series_tree["python"], code, tree, _env(tree))
+    done = _run(series_tree["python"], code, tree, _env(tree) | series_tree["hub"])
     output = done.stdout + done.stderr[-3000:]
     if done.returncode != 0:
         # Say which failures are the plugin's: the same tests without it.
@@ -136,7 +146,11 @@ sys.exit(code)
         alone = "(no test failed)"
         if failed:
             shim = no_plugin_shim(tmp_path / "shim")
-            alone = _pytest(series_tree, _env(tree, plugin=False, shim=shim), failed)
+            alone = _pytest(
+                series_tree,
+                _env(tree, plugin=False, shim=shim) | series_tree["hub"],
+                failed,
+            )
         pytest.fail(
             f"with the plugin:\n{output[-6000:]}\n\nthe failed tests without "
             f"the plugin:\n{alone[-3000:]}"

@@ -14,7 +14,7 @@ blocks get their keys (and KV events) when the copy completes, through the
 store-completion path every lazy store takes.
 """
 
-from kvmem_tools.intree.edits import Edit, NewFile
+from kvmem_tools.intree.edits import Edit, appended
 from kvmem_tools.intree.pr_text import Answer, pr_text
 from kvmem_tools.intree.series import FILES, InTreePatch
 
@@ -24,7 +24,10 @@ MANAGER = "vllm/v1/simple_kv_offload/manager.py"
 METADATA = "vllm/v1/simple_kv_offload/metadata.py"
 WORKER = "vllm/v1/simple_kv_offload/worker.py"
 BACKEND = "vllm/v1/simple_kv_offload/copy_backend.py"
-TEST = "tests/v1/simple_kv_offload/test_late_spills.py"
+TESTS = "tests/v1/simple_kv_offload/"
+SCHEDULER_TEST = TESTS + "test_scheduler.py"
+EVENTS_TEST = TESTS + "test_kv_events.py"
+WORKER_TEST = TESTS + "test_worker.py"
 
 MESSAGE = pr_text(
     overview="""\
@@ -57,12 +60,14 @@ it lacks"; on Model Runner V2 it needs the PR that calls
         "Eager mode and the disk backend are unchanged.",
     ],
     validation=f"""\
-- `pytest {TEST}`: 6 passed, 2 skipped (CPU build of vLLM 0.32.0 and
-  0.33.0): a real `BlockPool` and `SimpleCPUOffloadScheduler`, no model. The
-  2 CUDA tests (the copy holds the block's KV although the compute stream
-  overwrites it next; `handle_preemptions` returns while the compute stream
-  is still busy) skip without a GPU; they belong in the "V1 KV Offload" CI
-  step and have not run yet.
+- `pytest {SCHEDULER_TEST} -k "late_spill or eviction"`: 5 passed and
+  `pytest {EVENTS_TEST} -k late_spill`: 1 passed (CPU build of vLLM
+  0.32.0 and 0.33.0): a real `BlockPool` and `SimpleCPUOffloadScheduler`,
+  no model. The 2 CUDA tests added to `{WORKER_TEST}` (the copy holds the
+  block's KV although the compute stream overwrites it next;
+  `handle_preemptions` returns while the compute stream is still busy)
+  skip without a GPU: they run in the "V1 KV Offload" step and have not
+  run yet.
 - Engine, CPU build (random-weight 8-layer Llama, float32, 12-block device
   cache, 2 requests at a time; 4 prompts of 101 tokens, 4 others, the first
   4 again). The CPU build cannot run this connector as shipped (CUDA
@@ -161,8 +166,7 @@ to rerun before opening.
 
 _LISTENERS = """
         # Called with each cached block get_new_blocks hands out, before its
-        # hashes are dropped: the block still holds their KV until its new
-        # owner's step writes it.
+        # hashes are dropped (the block holds their KV until it is written).
         self._eviction_listeners: list[Callable[[KVCacheBlock], None]] = []
 """
 
@@ -196,8 +200,7 @@ _LISTENER_API = '''\
 '''
 
 _SPILL_FIELDS = """
-    # Lazy mode: cached GPU blocks handed out since the last step before they
-    # were stored, copied to their CPU blocks before this step writes them.
+    # Late spills: copied to their CPU blocks before this step writes them.
     spill_event: int = -1
     spill_gpu_blocks: list[int] = field(default_factory=list)
     spill_cpu_blocks: list[int] = field(default_factory=list)
@@ -234,8 +237,7 @@ class LoadRequestState:
 """
 
 _RECORD_FIELD = """\
-        # Lazy mode: cached GPU blocks handed out before the cursor reached
-        # them, by block id (late spills, stored in the next step).
+        # Late spills: cached GPU blocks handed out before the walk, by id.
         self._evicted_gpu_blocks: dict[int, EvictedBlock] = {}
 """
 
@@ -245,8 +247,7 @@ _LISTEN = """\
 """
 
 _LATE_SPILLS_FLAG = """\
-        # Lazy mode also stores cached blocks evicted before the cursor
-        # reached them (CPU backend).
+        # Lazy mode also stores blocks evicted before the walk (late spills).
         self._late_spills = lazy_offload and disk_capacity_bytes == 0
 """
 
@@ -388,8 +389,7 @@ _SPILL_PARAMS_FIELD = """\
 """
 
 _SPILL_PARAMS = """\
-        # Late spills are issued from the worker's thread, so they get params
-        # of their own (the copy thread uses the store params concurrently).
+        # Late spills are issued from the worker's thread: params of their own.
         self._spill_params = build_params(
             gpu_caches,
             cpu_caches,
@@ -402,12 +402,8 @@ _COPY_BEFORE_OVERWRITE = '''\
     def copy_before_overwrite(
         self, src_blocks: list[int], dst_blocks: list[int]
     ) -> torch.Event:
-        """Store GPU blocks the current stream is about to overwrite.
-
-        Issued from the calling thread on the store stream, after the work
-        already queued on the current stream; the current and load streams
-        wait for it. The host does not wait.
-        """
+        """Store blocks the current stream is about to overwrite: after its
+        queued work, before its (and the load stream's) next; no host wait."""
         assert self._spill_params is not None
         assert self._store_stream is not None and self._load_stream is not None
         current = torch.cuda.current_stream()
@@ -422,7 +418,6 @@ _COPY_BEFORE_OVERWRITE = '''\
 '''
 
 _SPILL_EVENTS = """\
-        # Late spills in flight, in issue order (one store stream).
         self._spill_events: list[tuple[int, torch.Event]] = []
 """
 
@@ -542,7 +537,10 @@ def _changes() -> list:
             "\n" + _POLL_SPILLS,
             where="replace",
         ),
-        NewFile(TEST, FILES / SLUG / TEST),
+        *(
+            appended(test, FILES / SLUG / "appended" / test)
+            for test in (SCHEDULER_TEST, EVENTS_TEST, WORKER_TEST)
+        ),
     ]
 
 
