@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton
+	# vLLM's own tests (the in-tree series extends them): the releases' sdists
+	$(PY) -m kvmem_tools.vllm_sdist 0.32.0 0.33.0
 	touch $(STAMP)
 
 setup-033: $(STAMP033)

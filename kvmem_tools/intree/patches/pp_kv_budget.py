@@ -60,7 +60,13 @@ On CPU (vLLM's CPU build, pipeline ranks as processes), vLLM 0.32.0 and
 - `pytest {ENGINE_TEST}`: 1 passed. A pipeline of 2 on
   `hmellor/tiny-random-LlamaForCausalLM` (layers 6 and 2, float32, 128-token
   blocks of 128 KiB per layer), budget 24 MiB: 24 blocks on each stage,
-  18 MiB and 6 MiB, the budget to the byte; greedy output generated.""",
+  18 MiB and 6 MiB, the budget to the byte; greedy output generated.
+- Against vLLM without the flag, given `--kv-cache-memory-bytes` = the
+  heaviest stage's share (B x max/sum of bytes per block) on every worker:
+  the same blocks, tensors, `max_model_len` and refusals on 12 uneven
+  pipelines (`get_kv_cache_configs` of 0.32.0 and 0.33.0; Qwen3-32B 56/8 at
+  5 GiB: 1280 blocks, 4.375 + 0.625 GiB either way, where 5 GiB per device
+  takes 1.14x that). This PR changes the budget's unit, not the layout.""",
     details="""\
 Without the flag, `--kv-cache-memory-bytes` is what each device may use:
 the stage with the most KV bytes per block sets the block count, and since
@@ -101,9 +107,9 @@ searches are for the submitter to rerun before opening.""",
         False, "Clear and short, but no docs page yet (only the flag's help)."
     ),
     contents=Answer(
-        False,
-        "Open: the allocation is not yet compared with vLLM's at the "
-        "equivalent per-device figure.",
+        True,
+        "Summary, related PRs, claims with evidence; the equivalence with "
+        "vLLM's per-device figure measured.",
     ),
 )
 

@@ -88,42 +88,26 @@ it lacks"; on Model Runner V2 it needs the PR that calls
 """,
     details="""\
 Why blocks are lost: the walk runs in `build_connector_meta`, after this
-pass's allocations. When a request finishes and the next pass admits a
-waiting one, `get_new_blocks` can take the finished request's cached blocks
-from the free queue first, and `_maybe_evict_cached_block` drops their
-hashes before the walk sees them.
+pass's allocations, so a finished request's cached blocks handed to a
+waiting one first lose their hashes (`_maybe_evict_cached_block`) unseen.
 
-Core change: `BlockPool.add_eviction_listener(listener)`. `get_new_blocks`
-calls each listener with every cached block it hands out, before the
-hashes are dropped, beside the existing reuse watchers (`_notify_reuse`):
-one list check per call while no listener is registered, none per block.
-Several connectors (`MultiConnector`) can each register one. The listener
-follows the closed #43946 (`register_eviction_listener`) rather than the
-open #47235 (`consume_eviction_signal()`): a store needs the block and its
-keys, which a flag does not give; unlike #43946, the listener copies
-nothing (it records; the worker copies, stream-ordered). It needs only the
-pool, so it fits the `KVConnectorSchedulerContext` of #53067 as it fits
-`bind_gpu_block_pool` today.
+Core: `BlockPool.add_eviction_listener(listener)`; `get_new_blocks` calls
+each listener with every cached block it hands out, before the hashes go,
+beside the reuse watchers: one list check per call while none is
+registered, none per block; several connectors can listen. It follows the
+API of #43946 (closed), not its copy on the compute stream, and not the
+flag of #47235 (`consume_eviction_signal()`, open), which gives no block or
+keys. It needs only the pool, so it fits #53067's scheduler context too.
 
-Connector: the manager records `(hash, num_tokens, other hashes)` per block
-(the first record of a block in a step: that is the KV it holds), and in
-`build_connector_meta`, before the walk claims CPU blocks, allocates a CPU
-block for each record not already on CPU and gives the batch its own store
-event. `TransferMeta.evicted` carries the keys to
-`_process_store_completion`, which registers them (and emits `BlockStored`)
-when every worker has reported the event, and frees no GPU ref (none is
-held). So late spills run with KV events on too.
-
-Worker: `handle_preemptions` copies the batch before the step's writes
-(V1 calls it before `_update_states`; V2 with the PR named above). On CUDA,
-`DmaCopyBackend.copy_before_overwrite` issues one `cuMemcpyBatchAsync` for
-all layers and blocks on the store stream from the calling thread, after
-`wait_stream(current)`, records an event, and makes the current and load
-streams wait for it: no host sync, no index upload, no temporary GPU
-buffer. Completion is polled in `get_finished` like other stores.
-
-Trade-off: the step's compute waits on the GPU for the spill's copy (a few
-blocks, only when a cached block the walk missed is evicted).
+Connector: the manager records each block's keys (its first record in a
+step: the KV it holds) and stores the records not on CPU yet as a store
+event of their own. `_process_store_completion` registers the keys and
+emits `BlockStored` when every worker has reported it, freeing no GPU ref.
+The worker copies in `handle_preemptions`; on CUDA,
+`DmaCopyBackend.copy_before_overwrite` issues one `cuMemcpyBatchAsync` on
+the store stream after `wait_stream(current)`, and the current and load
+streams wait for its event: no host sync, index upload or temporary buffer.
+Trade-off: the step's compute waits on the GPU for that copy.
 """,
     duplicates="""\
 #47235 (open) adds `BlockPool.consume_eviction_signal()` to re-store CPU
