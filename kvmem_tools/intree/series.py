@@ -202,16 +202,7 @@ def _has_vllm_tests(source: SourceTree) -> bool:
 def copy_tests(root: Path, dest: Path) -> Path:
     """vLLM's ``tests/`` under ``root`` at ``dest/tests``, for a patch to be
     applied to: Python files copied, every other file linked."""
-    for folder, dirs, names in os.walk(root / "tests"):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        to = dest / Path(folder).relative_to(root)
-        to.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            if name.endswith(".py"):
-                shutil.copy2(Path(folder) / name, to / name)
-            else:
-                os.symlink(Path(folder) / name, to / name)
-    return dest
+    return _copy_folder(root, dest, "tests")
 
 
 def _checkout_only(source: SourceTree, path: str) -> bool:
@@ -390,9 +381,15 @@ def apply_series(root: Path, files: list[Path]) -> None:
 def copy_tree(src: Path, dest: Path) -> Path:
     """A copy of the vLLM package under ``src`` at ``dest/vllm``: Python files
     copied (the series edits them), every other file linked."""
-    for root, dirs, names in os.walk(src / "vllm"):
+    return _copy_folder(src, dest, "vllm")
+
+
+def _copy_folder(src: Path, dest: Path, folder: str) -> Path:
+    """``src/folder`` at ``dest/folder``: Python files copied (the series
+    edits them), every other file linked."""
+    for root, dirs, names in os.walk(src / folder):
         dirs[:] = [d for d in dirs if d != "__pycache__"]
-        to = dest / "vllm" / Path(root).relative_to(src / "vllm")
+        to = dest / Path(root).relative_to(src)
         to.mkdir(parents=True, exist_ok=True)
         for name in names:
             if name.endswith(".py"):
