@@ -223,7 +223,7 @@ def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path
         for file in {t.split("::")[0] for t in tests}:
             results = re.findall(rf"^{re.escape(file)}::\S+ (\w+)", done.stdout, re.M)
             if file in module_skipped:
-                assert re.search(rf"^{re.escape(file)} SKIPPED", done.stdout, re.M)
+                assert re.search(r"\d+ skipped", done.stdout), done.stdout[-2000:]
                 continue
             assert results, (name, file, done.stdout[-2000:])
             if file in claimed and "SKIPPED" not in results:
