@@ -1262,7 +1262,13 @@ def test_series_tree_with_and_without_git(series_tree, tmp_path):
     patch = next(carried.glob("*Late-spills*.patch"))
     before = _tree_files(tmp_path / "py")
     with pytest.raises(RuntimeError, match=f"{patch.name}: vllm/v1/core/block_pool"):
-        series_tree.python_apply(tmp_path / "py", patch)
+        series_tree.python_apply(
+            tmp_path / "py", patch, series_tree._intree().absent_vllm_tests(
+                tmp_path / "py", patch
+            )
+        )
+    with pytest.raises(RuntimeError, match="not in the tree"):
+        series_tree.python_apply(tmp_path / "py", patch)  # vLLM's tests absent
     assert _tree_files(tmp_path / "py") == before
     # An arm's path: the tree first, the checkout (the plugin) never.
     path = series_tree.pythonpath(Path("/t"), f"/site{os.pathsep}{ROOT}")

@@ -351,7 +351,7 @@ def unit_tests(changes: Sequence[Edit | NewFile]) -> list[str]:
     return out
 
 
-def _absent_vllm_tests(root: Path, patch: Path) -> list[str]:
+def absent_vllm_tests(root: Path, patch: Path) -> list[str]:
     """The test files of vLLM that ``patch`` edits (not adds) and the tree
     under ``root`` lacks (an installed package has no ``tests/``)."""
     edited = re.findall(
@@ -367,7 +367,7 @@ def apply_series(root: Path, files: list[Path]) -> None:
     of vLLM's own test files are left out where the tree has none of them
     (``copy_tests`` puts them in)."""
     for patch in files:
-        excluded = [f"--exclude={p}" for p in _absent_vllm_tests(root, patch)]
+        excluded = [f"--exclude={p}" for p in absent_vllm_tests(root, patch)]
         done = subprocess.run(
             ["git", "apply", "--whitespace=nowarn", *excluded, str(patch)],
             cwd=root,

@@ -180,14 +180,21 @@ def _find(lines: list[str], block: list[str], near: int) -> int:
     return best
 
 
-def python_apply(root: Path, patch: Path) -> list[str]:
+def python_apply(
+    root: Path, patch: Path, exclude: Sequence[str] = ()
+) -> list[str]:
     """Apply one ``git format-patch`` file under ``root`` without git: each
     hunk where its old lines are exactly (context and removed lines), the
     nearest such place to its line number; a hunk found nowhere refuses the
-    patch before any file is written. Returns the files written."""
+    patch before any file is written. ``exclude``: files left out, as
+    ``git apply --exclude``. Returns the files written."""
     outputs: dict[Path, str | None] = {}
     for fp in parse_patch(patch.read_text()):
+        if (fp.old or fp.new) in exclude:
+            continue
         src = root / fp.old if fp.old else None
+        if src is not None and not src.is_file():
+            raise RuntimeError(f"{patch.name}: {fp.old} is not in the tree")
         lines = src.read_text().splitlines(keepends=True) if src else []
         shift = 0
         for start, body in fp.hunks:
@@ -306,7 +313,7 @@ def build(
         series.apply_series(dest, files)
     else:
         for patch in files:
-            python_apply(dest, patch)
+            python_apply(dest, patch, series.absent_vllm_tests(dest, patch))
     if cpu_scaffolding:
         from kvmem_tools.intree import cpu_scaffolding as scaffolding
 
