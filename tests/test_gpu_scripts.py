@@ -1263,9 +1263,9 @@ def test_series_tree_with_and_without_git(series_tree, tmp_path):
     before = _tree_files(tmp_path / "py")
     with pytest.raises(RuntimeError, match=f"{patch.name}: vllm/v1/core/block_pool"):
         series_tree.python_apply(
-            tmp_path / "py", patch, series_tree._intree().absent_vllm_tests(
-                tmp_path / "py", patch
-            )
+            tmp_path / "py",
+            patch,
+            series_tree._intree().absent_vllm_tests(tmp_path / "py", patch),
         )
     with pytest.raises(RuntimeError, match="not in the tree"):
         series_tree.python_apply(tmp_path / "py", patch)  # vLLM's tests absent

@@ -180,9 +180,7 @@ def _find(lines: list[str], block: list[str], near: int) -> int:
     return best
 
 
-def python_apply(
-    root: Path, patch: Path, exclude: Sequence[str] = ()
-) -> list[str]:
+def python_apply(root: Path, patch: Path, exclude: Sequence[str] = ()) -> list[str]:
     """Apply one ``git format-patch`` file under ``root`` without git: each
     hunk where its old lines are exactly (context and removed lines), the
     nearest such place to its line number; a hunk found nowhere refuses the
