@@ -6,10 +6,11 @@ worker (the shape of upstream's ``OffloadingConnector``)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from time import perf_counter_ns
 from typing import Any, TypeVar
 
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -165,6 +166,11 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self.connector_scheduler is None:
+            return ()
+        return self.connector_scheduler.take_events()
 
     def reset_cache(self) -> bool | None:
         if self.connector_scheduler is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_kvmem.host_tier.spill_queue import SpillQueue
+from vllm_kvmem.host_tier.slots import HostSlots
 
 
 class FreeQueueShadow:
@@ -21,17 +21,17 @@ class FreeQueueShadow:
 
     def __init__(
         self,
-        spills: SpillQueue,
+        slots: HostSlots,
         *,
         block_size: int,
         budget_blocks: int,
         scan_window: int,
         shadow_window: int,
     ) -> None:
-        """``spills``: where the walk's picks go; ``budget_blocks``: saves per
+        """``slots``: where the walk's picks go; ``budget_blocks``: saves per
         step; ``scan_window``: blocks at the head worth copying ahead;
         ``shadow_window``: blocks at the head one scheduling pass can evict."""
-        self.spills = spills
+        self.slots = slots
         self.block_size = block_size
         self.budget_blocks = budget_blocks
         self.scan_window = scan_window
@@ -126,9 +126,7 @@ class FreeQueueShadow:
             cursor = None  # out of the queue: start again from the head
         if cursor is None:
             self.examined = {}
-        examined, shadow = self.examined, self.shadow
-        spills = self.spills
-        index, ahead, step_pins = spills.index, spills.ahead, spills.step_pins
+        examined, shadow, slots = self.examined, self.shadow, self.slots
         picked: list[tuple[int, int]] = []
         budget = self.budget_blocks
         position, stalled = len(examined), False
@@ -143,18 +141,19 @@ class FreeQueueShadow:
                 if (
                     not stalled
                     and position <= self.scan_window
-                    and block.block_id not in ahead
+                    and not slots.saving(block.block_id)
                     and (covered is None or covered % self.block_size == 0)
-                    and key not in index
+                    and key not in slots
                 ):
-                    slot = index.put(key) if len(picked) < budget else None
+                    slot = (
+                        slots.save_ahead(block.block_id, key, seq)
+                        if len(picked) < budget
+                        else None
+                    )
                     if slot is None:  # budget spent, or every slot pinned
                         stalled = True
                     else:
-                        index.pin([slot])
-                        step_pins.append(slot)
                         picked.append((block.block_id, slot))
-                        ahead[block.block_id] = (key, seq)
             if not stalled:
                 examined[block.block_id] = None
                 cursor = block

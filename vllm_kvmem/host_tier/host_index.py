@@ -1,11 +1,13 @@
 """The host tier's block index: which block hash lives in which host slot.
 
-vLLM-free. The scheduler owns one index per engine and makes every decision
-(which block to spill where, which slot to load from); workers only execute
-the copies, so every rank of a pipeline or tensor-parallel group stays in
-lockstep. Slots referenced by a pending load are pinned and never reused
-before that load has been handed to the workers.
-"""
+vLLM-free. The scheduler owns one index per engine (inside ``slots``, the
+owner of a slot's life) and makes every decision (which block to spill
+where, which slot to load from); workers only execute the copies, so every
+rank of a pipeline or tensor-parallel group stays in lockstep. Slots
+referenced by a pending load are pinned and never reused before that load
+has been handed to the workers. Every block that becomes matchable or stops
+being so is noted here, the one place it happens, when :attr:`notes` is on
+(KV events)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,12 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("lru", "fifo")
+
+#: What :attr:`HostBlockIndex.notes` records, in order: a key made matchable
+#: (its host copy is issued before any load can read it), a key dropped
+#: (evicted by the policy, or forgotten: a failed save, a bad copy), every key
+#: dropped at once (a reset).
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 
 
 @dataclass
@@ -45,6 +53,9 @@ class HostBlockIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pins: dict[int, int] = {}
         self.counters = IndexCounters()
+        # (STORED | REMOVED | CLEARED, key) in order, while someone takes them
+        # (None: not recorded, nothing spent).
+        self.notes: list[tuple[str, Hashable]] | None = None
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -96,6 +107,8 @@ class HostBlockIndex:
         self._slots[key] = slot
         self._keys[slot] = key
         self.counters.spilled_blocks += 1
+        if self.notes is not None:
+            self.notes.append((STORED, key))
         return slot
 
     def drop_slot(self, slot: int) -> bool:
@@ -106,12 +119,30 @@ class HostBlockIndex:
         if key is None:
             return False
         del self._slots[key]
+        self._release(slot)
+        self._dropped_key(key)
+        return True
+
+    def clear(self) -> None:
+        """Forget every block (a reset); a pinned slot is freed once its last
+        pending load is done."""
+        for slot in self._keys:
+            self._release(slot)
+        self._slots.clear()
+        self._keys.clear()
+        if self.notes is not None:
+            self.notes.append((CLEARED, None))
+
+    def _release(self, slot: int) -> None:
         if slot in self._pins:
             self._dropped.add(slot)  # freed once its last pending load is done
         else:
             self._free.append(slot)
+
+    def _dropped_key(self, key: Hashable) -> None:
         self.counters.dropped_blocks += 1
-        return True
+        if self.notes is not None:
+            self.notes.append((REMOVED, key))
 
     def pin(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -139,6 +170,6 @@ class HostBlockIndex:
             if slot not in self._pins:
                 del self._slots[key]
                 del self._keys[slot]
-                self.counters.dropped_blocks += 1
+                self._dropped_key(key)
                 return slot
         return None

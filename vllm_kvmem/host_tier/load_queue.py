@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
 
-from vllm_kvmem.host_tier.host_index import HostBlockIndex
 from vllm_kvmem.host_tier.metadata import LoadChunk
+from vllm_kvmem.host_tier.slots import HostSlots
 
 logger = init_logger("vllm.kvmem.host_tier")
 
@@ -31,18 +31,13 @@ class LoadQueue:
     """This step's loads, the queued ones, and those in flight on the workers.
 
     Slots stay pinned until their load is done: a slot of this step's loads
-    in ``step_pins`` (released once the workers have this step's copies),
-    a queued or in-flight load's until the workers report it finished."""
+    for the step (released once the workers have this step's copies), a
+    queued or in-flight load's until the workers report it finished."""
 
-    def __init__(
-        self, index: HostBlockIndex, budget_blocks: int, step_pins: list[int]
-    ) -> None:
-        """``budget_blocks``: blocks loaded per step; ``step_pins``: the
-        scheduler's slots pinned for this step only (shared, cleared in
-        place)."""
-        self.index = index
+    def __init__(self, slots: HostSlots, budget_blocks: int) -> None:
+        """``budget_blocks``: blocks loaded per step."""
+        self.slots = slots
         self.budget_blocks = budget_blocks
-        self.step_pins = step_pins
         self.sync_loads: list[LoadChunk] = []  # this step's
         self.sync_blocks = 0
         self.queue: dict[str, _Load] = {}  # in arrival order
@@ -80,7 +75,7 @@ class LoadQueue:
                 )
             )
             self.sync_blocks += len(pairs)
-            self.step_pins += [s for s, _ in pairs]
+            self.slots.unpin_after_step([s for s, _ in pairs])
             return
         self.queue[req_id] = _Load(
             req_id, pairs, [s for s, _ in pairs], invalid=invalid
@@ -124,7 +119,7 @@ class LoadQueue:
         for req_id in req_ids or ():
             load = self.inflight.pop(req_id, None)
             if load is not None:
-                self.index.unpin(load.slots)
+                self.slots.unpin(load.slots)
 
     def drop_bad_copies(self, block_ids: set[int]) -> None:
         """Blocks that failed to load: vLLM recomputes them, and their host
@@ -133,7 +128,7 @@ class LoadQueue:
         dropped = 0
         for load in loads:
             for block_id in block_ids.intersection(load.sent):
-                dropped += self.index.drop_slot(load.sent[block_id])
+                dropped += self.slots.drop(load.sent[block_id])
         if dropped:
             logger.warning(
                 "Host KV tier: dropped %d host blocks that failed to load; their "
@@ -152,16 +147,3 @@ class LoadQueue:
         """Blocks waiting to load or in flight (a gauge)."""
         queued = sum(len(x.pairs) for x in self.queue.values())
         return queued + sum(len(x.slots) for x in self.inflight.values())
-
-    def reset(self, index: HostBlockIndex) -> None:
-        """A new, empty index: loads already promised to allocated blocks still
-        run, so their slots stay pinned until they finish (this step's until
-        the workers get them)."""
-        self.index = index
-        for load in self.queue.values():
-            index.pin(load.slots)
-        for load in self.inflight.values():
-            index.pin(load.slots)
-        for chunk in self.sync_loads:
-            index.pin(chunk.slots)
-            self.step_pins += chunk.slots

@@ -11,8 +11,8 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
-from vllm_kvmem.host_tier.host_index import HostBlockIndex
 from vllm_kvmem.host_tier.load_queue import LoadQueue
+from vllm_kvmem.host_tier.slots import HostSlots
 from vllm_kvmem.host_tier.support import GroupWindow
 
 logger = init_logger("vllm.kvmem.host_tier")
@@ -37,7 +37,7 @@ class HostMatcher:
 
     def __init__(
         self,
-        index: HostBlockIndex,
+        slots: HostSlots,
         groups: tuple[GroupWindow, ...],
         block_size: int,
         loads: LoadQueue,
@@ -45,7 +45,7 @@ class HostMatcher:
     ) -> None:
         """``groups``: full-attention groups first; ``count``: the scheduler's
         counter (its interval stats)."""
-        self.index = index
+        self.slots = slots
         self.groups = groups
         self.block_size = block_size
         self.loads = loads
@@ -64,7 +64,7 @@ class HostMatcher:
         )
         old = self.matched.pop(request.request_id, None)
         if old:
-            self.index.unpin(list(old.slots.values()))
+            self.slots.unpin(list(old.slots.values()))
         if stop <= start:
             return 0, False
         end, slots = self._longest_hit(request.block_hashes, start, stop)
@@ -75,7 +75,7 @@ class HostMatcher:
         self.lookups[request.request_id] = (looked, hit)
         if not slots:
             return 0, False
-        self.index.pin(list(slots.values()))
+        self.slots.pin(list(slots.values()))
         # A hit that fits what is left of this step's load budget is loaded
         # before this step's forward and the request runs in this very step:
         # the other requests wait for at most one budget of copies either
@@ -98,7 +98,7 @@ class HostMatcher:
 
         def slot(group: GroupWindow, pos: int) -> int | None:
             key = make_block_hash_with_group_id(block_hashes[pos], group.group_id)
-            return self.index.slot_of(key)
+            return self.slots.slot_of(key)
 
         end = stop
         found: dict[tuple[int, int], int] = {}
@@ -132,7 +132,7 @@ class HostMatcher:
             first = max(start, group.first_needed(end, self.block_size))
             for pos in range(first, end):
                 slots[group.group_id, pos] = found[group.group_id, pos]
-        self.index.use(
+        self.slots.use(
             [
                 make_block_hash_with_group_id(block_hashes[pos], gid)
                 for gid, pos in slots
@@ -178,7 +178,7 @@ class HostMatcher:
                         invalid.append(block.block_id)
                     else:
                         pairs.append((slot, block.block_id))
-        self.index.unpin(list(slots.values()))  # matched, not needed
+        self.slots.unpin(list(slots.values()))  # matched, not needed
         if invalid:
             # vLLM took a shorter hit than offered, whose window starts at
             # blocks the host does not hold: reported as failed loads, so
@@ -195,9 +195,9 @@ class HostMatcher:
     def _pin_held(self, request: Any, group_id: int, pos: int) -> int | None:
         """The host slot of a request's block, pinned, if the host holds it."""
         key = make_block_hash_with_group_id(request.block_hashes[pos], group_id)
-        slot = self.index.slot_of(key)
+        slot = self.slots.slot_of(key)
         if slot is not None:
-            self.index.pin([slot])
+            self.slots.pin([slot])
         return slot
 
     def forget(self, req_id: str) -> None:
@@ -205,11 +205,4 @@ class HostMatcher:
         self.lookups.pop(req_id, None)
         matched = self.matched.pop(req_id, None)
         if matched is not None:
-            self.index.unpin(list(matched.slots.values()))
-
-    def reset(self, index: HostBlockIndex) -> None:
-        """A new, empty index: the hits already offered keep their slots
-        pinned until vLLM allocates them."""
-        self.index = index
-        for match in self.matched.values():
-            index.pin(list(match.slots.values()))
+            self.slots.unpin(list(matched.slots.values()))

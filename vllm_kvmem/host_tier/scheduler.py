@@ -6,7 +6,8 @@ reused. The workers execute what :class:`HostTierMetadata` says, in step order.
 :class:`HostTierScheduler` is the connector's scheduler side; it composes one
 part per concern, each in its own module: the prefix hits (``matching``), the
 view of vLLM's free queue (``free_queue``), the loads (``load_queue``) and the
-saves (``spill_queue``), over one host index.
+saves (``spill_queue``), over one owner of the host slots' life (``slots``),
+whose notes become KV events (``kv_events``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from vllm.utils.mem_utils import format_gib
 from vllm_kvmem.host_tier.config import HostTierConfig
 from vllm_kvmem.host_tier.free_queue import FreeQueueShadow
 from vllm_kvmem.host_tier.host_index import HostBlockIndex
+from vllm_kvmem.host_tier.kv_events import HostKVEvents
 from vllm_kvmem.host_tier.load_queue import LoadQueue
 from vllm_kvmem.host_tier.matching import HostMatcher
 from vllm_kvmem.host_tier.metadata import HostTierMetadata, HostTierWorkerMeta
+from vllm_kvmem.host_tier.slots import HostSlots
 from vllm_kvmem.host_tier.spill_queue import SpillQueue
 from vllm_kvmem.host_tier.stats import CountsStats, HostTierStats
 from vllm_kvmem.host_tier.support import GroupWindow, describe_groups
@@ -61,10 +64,7 @@ class HostTierScheduler(CountsStats):
         self.groups = tuple(sorted(groups, key=lambda g: g.window is not None))
         self._seq = 0
         self._pool: Any = None  # vLLM's device BlockPool (bind_gpu_block_pool)
-        # Slots pinned until the workers get this step's copies (saves and
-        # loads): one list, shared with the parts, released and cleared in
-        # place by build_connector_meta.
-        self._step_pins: list[int] = []
+        self.events = HostKVEvents(block_size)
         # Model Runner V2 (CUDA's default) writes into new blocks before the
         # connector's handle_preemptions, V1 after (docs/host-kv-tier.md,
         # "Writes into new blocks before the forward, per runner"); vLLM's
@@ -88,24 +88,23 @@ class HostTierScheduler(CountsStats):
         # step's tokens, plus a block boundary per scheduled request.
         max_seqs = int(getattr(sched, "max_num_seqs", 0) or 0)
         per_group = cdiv(step_tokens, self.block_size) + max_seqs + 1
-        self.index = HostBlockIndex(self.num_slots, config.eviction_policy)
+        self.slots = HostSlots(self.num_slots, config.eviction_policy)
         self.spills = SpillQueue(
-            self.index,
-            self._step_pins,
+            self.slots,
             block_size=block_size,
             late_spill=config.late_spill,
             count=self._count,
         )
         self.free_queue = FreeQueueShadow(
-            self.spills,
+            self.slots,
             block_size=block_size,
             budget_blocks=budget_blocks,
             scan_window=scan_window,
             shadow_window=max(scan_window, per_group * len(self.groups)),
         )
-        self.loads = LoadQueue(self.index, budget_blocks, self._step_pins)
+        self.loads = LoadQueue(self.slots, budget_blocks)
         self.matcher = HostMatcher(
-            self.index, self.groups, block_size, self.loads, self._count
+            self.slots, self.groups, block_size, self.loads, self._count
         )
         #: What the eviction check calls with each evicted block (block id,
         #: hash held, tokens covered): a late spill. An attribute, read at
@@ -124,10 +123,16 @@ class HostTierScheduler(CountsStats):
             "copied" if config.late_spill == "copy" else "dropped",
         )
 
+    @property
+    def index(self) -> HostBlockIndex:
+        return self.slots.index
+
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._pool = gpu_block_pool
         if self.enabled:
             self.free_queue.pool = gpu_block_pool
+            if self.events.bind(gpu_block_pool):
+                self.slots.record_notes()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -150,20 +155,18 @@ class HostTierScheduler(CountsStats):
         meta = HostTierMetadata(seq=self._seq)
         if not self.enabled:
             return meta
-        spills = self.spills
+        spills, slots = self.spills, self.slots
+        self.events.observe()
         spills.overwritten = self._written_before_hooks(scheduler_output)
         if self._pool is not None:
             self.free_queue.find_evictions(scheduler_output, self._on_evicted)
-        meta.fence = spills.fences(self._pool)
-        meta.stale_slots, spills.stale_slots = spills.stale_slots, []
-        meta.evict_saves, spills.evict_saves = spills.evict_saves, []
+        meta.fence, meta.stale_slots = spills.fences(self._pool)
+        meta.evict_saves = spills.take()
         meta.ahead_saves = self.free_queue.walk(self._seq)
         meta.loads = self.loads.step_loads()
-        spills.sent(meta)
-        # The workers issue this step's saves before any later step's copies:
-        # the slots may be reused from the next step on.
-        self.index.unpin(self._step_pins)
-        self._step_pins.clear()
+        slots.sent(self._seq, meta.evict_saves + meta.ahead_saves)
+        slots.end_step()
+        self.events.add(slots.take_notes())
         loaded = sum(len(c.blocks) for c in meta.loads)
         saved = len(meta.evict_saves) + len(meta.ahead_saves)
         self.index.counters.loaded_blocks += loaded
@@ -195,10 +198,17 @@ class HostTierScheduler(CountsStats):
             return
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HostTierWorkerMeta):
-            self.spills.reported(meta)
+            self.slots.reported(meta.saved_through, meta.failed_saves)
         if bad := connector_output.invalid_block_ids:
             self.loads.drop_bad_copies(bad)
         self.loads.finished(connector_output.finished_recving)
+        self.events.observe()
+        self.events.add(self.slots.take_notes())
+
+    def take_events(self) -> list[Any]:
+        """The host blocks' KV events since the last call (vLLM's scheduler
+        publishes them with the device's, once a step)."""
+        return self.events.take() if self.enabled else []
 
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -219,14 +229,11 @@ class HostTierScheduler(CountsStats):
         after a weight update): stale KV must never be served."""
         if not self.enabled:
             return None
-        self.index = index = HostBlockIndex(self.num_slots, self.config.eviction_policy)
-        self._step_pins.clear()
-        self.spills.reset(index)
-        self.free_queue.reset()
-        # Loads already promised to allocated blocks still run, so their slots
+        # Loads already promised to allocated blocks still run: their slots
         # stay pinned until they finish.
-        self.loads.reset(index)
-        self.matcher.reset(index)
+        self.slots.reset()
+        self.free_queue.reset()
+        self.events.add(self.slots.take_notes())
         logger.info("Host KV tier reset: all host blocks dropped.")
         return True
 
