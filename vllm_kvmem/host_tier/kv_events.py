@@ -49,7 +49,7 @@ class HostKVEvents:
         # The device's BlockStored of each block cached on the device, one
         # block each: a host copy's event is made from it.
         self.device: dict[_Key, BlockStored] = {}
-        self._removed: list[_Key] = []  # dropped after this step's notes
+        self._removed: set[_Key] = set()  # dropped after this step's notes
         self._queue: list[KVCacheEvent] | None = None  # the pool's, read so far
         self._read = 0
         self._events: list[KVCacheEvent] = []
@@ -75,13 +75,17 @@ class HostKVEvents:
                     self._stored_on_device(event)
             elif isinstance(event, BlockRemoved):
                 if event.medium in (None, "GPU"):
-                    self._removed += [(h, event.group_idx) for h in event.block_hashes]
+                    self._removed.update(
+                        (h, event.group_idx) for h in event.block_hashes
+                    )
             elif isinstance(event, AllBlocksCleared):
-                self._removed += self.device
+                self._removed.update(self.device)
         self._read = len(queue)
 
     def _stored_on_device(self, event: BlockStored) -> None:
         hashes = event.block_hashes
+        # Cached again (a hit loaded into a new block): not to be dropped.
+        self._removed.difference_update((h, event.group_idx) for h in hashes)
         if len(hashes) == 1:
             self.device[hashes[0], event.group_idx] = event
             return
@@ -127,7 +131,7 @@ class HostKVEvents:
                 )
         for dropped in self._removed:
             self.device.pop(dropped, None)
-        self._removed = []
+        self._removed.clear()
 
     def _stored_on_host(self, block_hash: Any, group: int) -> BlockStored:
         device = self.device.get((block_hash, group))

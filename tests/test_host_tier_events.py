@@ -1,0 +1,71 @@
+"""KV events for host blocks, on a real engine (CPU), on vLLM 0.32 and 0.33.
+
+A KV-aware router (llm-d's indexer, Dynamo's router, Ray Serve's
+``KVAwareRouter``) learns where a prefix lives from vLLM's KV events; a block
+in host memory is ``medium="CPU"``. ``tests/host_tier_events_engine.py``
+replays every batch vLLM publishes into a router's index, keyed by token
+content, and predicts each request's cached tokens before sending it. With
+the tier's events the prediction is exact, host hits included; without
+them every host hit would be a miss to the router.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.helpers import ROOT, both_vllms, host_tier_kwargs
+from vllm_kvmem.demo import documents
+from vllm_kvmem.demo_engine import REPORT_PREFIX, engine_env
+
+pytestmark = [pytest.mark.engine]
+
+SCRIPT = ROOT / "tests" / "host_tier_events_engine.py"
+# 40 host blocks for 96 blocks of documents: the host's own policy evicts too.
+HOST_KV = 40 << 20
+
+
+def events_run(model, python, host_kv=HOST_KV, **extra) -> dict:
+    """The script's report for the workload: 12 documents, then again in
+    reverse (the most recent on the device, the next on the host, the
+    oldest dropped by the host's LRU), a prefix-cache reset, three documents
+    again."""
+    docs = documents(12)
+    kwargs = host_tier_kwargs(model, True, enforce_eager=True, **extra)
+    kwargs["kv_host_cache_bytes"] = host_kv
+    workload = {"rounds": [docs, docs[::-1], "reset", docs[:3]]}
+    done = subprocess.run(
+        [python, str(SCRIPT), json.dumps(kwargs), json.dumps(workload)],
+        cwd=ROOT,
+        env=engine_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith(REPORT_PREFIX)]
+    return json.loads(line[len(REPORT_PREFIX) :])
+
+
+@both_vllms
+def test_router_predicts_every_hit_with_host_blocks(model_8l, vllm_python):
+    report = events_run(model_8l, vllm_python)
+    requests, events = report["requests"], report["events"]
+    # Host hits happened, and the router saw each of them coming.
+    assert report["host_hit_tokens"] >= 16 * report["block_size"]
+    assert report["mismatches"] == 0, [(r["predicted"], r["cached"]) for r in requests]
+    # Every step, the host blocks the events announce are the tier's.
+    assert report["steps"]["checked"] > 0
+    assert report["steps"]["host_set_mismatches"] == 0
+    # Self-describing: each host block's event is the device's (tokens,
+    # parent), sent once; the host's own evictions are announced.
+    assert report["violations"] == [] and report["without_tokens"] == 0
+    assert events["BlockStored:CPU"] > 40
+    assert events["BlockRemoved:CPU"] > 0
+    # The reset: the device's AllBlocksCleared and the tier's.
+    assert events["AllBlocksCleared"] == 2
+    after_reset = requests[24:]
+    assert [r["cached"] for r in after_reset] == [0, 0, 0]
