@@ -76,11 +76,14 @@ def _model_dir(shape: str, cache: Path) -> Path:
     return build_shape_model(shape, out)
 
 
-def _configs(model: Path, args: argparse.Namespace, host_blocks: int | None):
+def _configs(
+    model: Path, args: argparse.Namespace, host_blocks: int | None, events: bool
+):
     """vLLM's config for the run (the tier on with ``host_blocks``, no
-    connector with None), and a KV cache config of ``--device-blocks``."""
+    connector with None; vLLM's KV events on with ``events``, published
+    nowhere), and a KV cache config of ``--device-blocks``."""
     import torch
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
@@ -108,6 +111,9 @@ def _configs(model: Path, args: argparse.Namespace, host_blocks: int | None):
         max_model_len=args.prompt_tokens + args.output_tokens + args.block_size,
         kv_cache_memory_bytes=1 << 30,
         kv_transfer_config=kv_transfer,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        if events
+        else None,
         enforce_eager=True,
     ).create_engine_config()
     hf = vllm_config.model_config
@@ -288,10 +294,15 @@ def _workload(args: argparse.Namespace, seed: int) -> list[list[int]]:
 
 
 def run_arm(
-    model: Path, args: argparse.Namespace, host_blocks: int | None, on_start=None
+    model: Path,
+    args: argparse.Namespace,
+    host_blocks: int | None,
+    on_start=None,
+    events: bool = False,
 ) -> dict:
-    """One run of the workload; ``on_start(run)`` may wrap what it inspects."""
-    vllm_config, kv_cache_config = _configs(model, args, host_blocks)
+    """One run of the workload; ``on_start(run)`` may wrap what it inspects;
+    ``events``: vLLM's KV events on (the tier's with them)."""
+    vllm_config, kv_cache_config = _configs(model, args, host_blocks, events)
     run = _Run(vllm_config, kv_cache_config)
     if on_start is not None:
         on_start(run)
@@ -313,6 +324,7 @@ def run_arm(
     finally:
         run.close()
     summary = _summary(steps, host_blocks, totals)
+    summary["kv_events"] = events
     summary["per_step"] = steps if args.keep_steps else None
     return summary
 
@@ -384,6 +396,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--kv-events",
+        choices=("off", "on", "both"),
+        default="off",
+        help="vLLM's KV events (--kv-events-config, published nowhere): the "
+        "tier then sends its own; both: off and on, interleaved",
+    )
+    p.add_argument(
         "--keep-steps",
         action="store_true",
         help="keep every step's figures in the JSON",
@@ -404,20 +423,27 @@ def main(argv: list[str] | None = None) -> int:
     t_begin = time.time()
     model = _model_dir(args.shape, args.models)
     host_counts = [int(x) for x in args.host_blocks.split(",")]
-    # A B A B: no connector, then each host size, repeated.
-    plan = [(rep, hb) for rep in range(args.repeats) for hb in [None, *host_counts]]
+    events = {"off": [False], "on": [True], "both": [False, True]}[args.kv_events]
+    # A B A B: no connector, then each host size, events off then on, repeated.
+    plan = [
+        (rep, hb, ev)
+        for rep in range(args.repeats)
+        for hb in [None, *host_counts]
+        for ev in events
+    ]
     results: list[dict] = []
     with tqdm(total=len(plan), desc="tier step", unit="run") as bar:
-        for rep, hb in plan:
-            r = run_arm(model, args, hb)
+        for rep, hb, ev in plan:
+            r = run_arm(model, args, hb, events=ev)
             r["repeat"] = rep
             results.append(r)
             bar.update()
-    table = _table(results, host_counts)
+    table = [row for ev in events for row in _table(results, host_counts, ev)]
     targets = [
         {
             "name": f"idle tier work <= {IDLE_GOAL_US:.0f} us/step",
-            "detail": f"{row['host_blocks']} host blocks: scheduler "
+            "detail": f"{row['host_blocks']} host blocks, KV events "
+            f"{'on' if row['kv_events'] else 'off'}: scheduler "
             f"{row['idle_scheduler_us']} + worker {row['idle_worker_us']} us",
             # None: a tier without its own clocks (an older checkout).
             "passed": row["idle_scheduler_us"] + row["idle_worker_us"] <= IDLE_GOAL_US
@@ -461,11 +487,18 @@ def _code_under_test() -> dict[str, str]:
     return {"path": str(folder), "commit": commit}
 
 
-def _table(results: list[dict], host_counts: list[int]) -> list[dict]:
-    """Medians over repeats, and the spread (min-max) of the repeats' p50s."""
+def _table(
+    results: list[dict], host_counts: list[int], events: bool = False
+) -> list[dict]:
+    """Medians over repeats, and the spread (min-max) of the repeats' p50s,
+    of the runs with KV events ``events``."""
     rows = []
     for hb in [None, *host_counts]:
-        runs = [r for r in results if r["host_blocks"] == hb]
+        runs = [
+            r
+            for r in results
+            if r["host_blocks"] == hb and r.get("kv_events", False) == events
+        ]
 
         def med(kind: str, key: str, stat: str = "p50", runs=runs) -> float:
             vals = [r[kind][key].get(stat) for r in runs if r[kind][key]["n"]]
@@ -477,6 +510,7 @@ def _table(results: list[dict], host_counts: list[int]) -> list[dict]:
 
         rows.append({
             "host_blocks": hb,
+            "kv_events": events,
             "steps": statistics.median(r["steps"] for r in runs),
             "idle_steps": statistics.median(r["idle"]["tier_scheduler_us"]["n"]
                                             for r in runs),
@@ -505,7 +539,8 @@ def _table(results: list[dict], host_counts: list[int]) -> list[dict]:
 
 def _print_table(rows: list[dict]) -> None:
     cols = [
-        ("host blocks", "host_blocks"), ("steps", "steps"), ("idle", "idle_steps"),
+        ("host blocks", "host_blocks"), ("events", "kv_events"),
+        ("steps", "steps"), ("idle", "idle_steps"),
         ("idle sched", "idle_scheduler_us"), ("idle worker", "idle_worker_us"),
         ("busy sched", "busy_scheduler_us"), ("busy worker", "busy_worker_us"),
         ("vLLM sched p50", "vllm_scheduler_us"),

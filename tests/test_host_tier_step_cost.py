@@ -113,6 +113,65 @@ def test_every_eviction_reaches_the_tier_once_with_its_hash(bench, model):
     assert told == evicted
 
 
+@pytest.mark.parametrize("host_blocks", [48, 4096])
+def test_with_kv_events_each_host_block_is_announced_once_with_its_tokens(
+    bench, model, host_blocks
+):
+    """With vLLM's KV events on, what vLLM's scheduler publishes says at every
+    step which blocks the host holds (``medium="CPU"``), each stored block
+    with the tokens and parent of the device's event for it, and nothing
+    when the tier's own policy evicts (48 slots) goes unannounced."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+    from vllm.v1.core.kv_cache_utils import (
+        get_block_hash,
+        get_group_id,
+        maybe_convert_block_hash,
+    )
+
+    device: dict = {}
+    held: set = set()
+    seen = {"steps": 0, "stored": 0, "removed": 0}
+    mismatches: list = []
+
+    def on_start(run):
+        tier = run.scheduler.connector.connector_scheduler
+        publisher = run.scheduler.kv_event_publisher
+        publish = publisher.publish
+
+        def replay(batch):
+            for ev in batch.events:
+                assert not isinstance(ev, AllBlocksCleared)
+                at = [(h, ev.group_idx) for h in ev.block_hashes]
+                if ev.medium == "GPU" and isinstance(ev, BlockStored):
+                    size = ev.block_size
+                    for i, key in enumerate(at):
+                        device[key] = ev.token_ids[i * size : (i + 1) * size]
+                elif ev.medium == "CPU" and isinstance(ev, BlockStored):
+                    (key,) = at
+                    assert key not in held  # once
+                    assert ev.token_ids == device[key]
+                    held.add(key)
+                    seen["stored"] += 1
+                elif ev.medium == "CPU":
+                    held.difference_update(at)
+                    seen["removed"] += 1
+            index = {
+                (maybe_convert_block_hash(get_block_hash(k)), get_group_id(k))
+                for k in tier.index._slots
+            }
+            seen["steps"] += 1
+            if index != held:
+                mismatches.append(seen["steps"])
+            publish(batch)
+
+        publisher.publish = replay
+
+    result = bench.run_arm(model, _args(bench), host_blocks, on_start, events=True)
+    assert result["tier_counters"]["blocks_spilled"] == seen["stored"] > 100
+    assert seen["steps"] > 20 and mismatches == []  # steps with events
+    assert (seen["removed"] > 0) == (host_blocks == 48)
+
+
 def test_step_times_reach_vllm_in_batches_and_prometheus_as_a_histogram(monkeypatch):
     """The clock hands vLLM its step times every 64 steps or every second
     (an idle tier adds no stats object to most steps' output); the stats of
