@@ -80,8 +80,11 @@ class ApiServer:
         cwd: Path | None = None,
         name: str = "server",
         ready_timeout_s: float = READY_TIMEOUT_S,
+        python: str | None = None,
     ) -> None:
         self.args = args
+        #: The interpreter, and so the vLLM, that serves (default: this one).
+        self.python = python or sys.executable
         self.log_path = Path(log_path)
         self.env = env
         self.cwd = cwd or self.log_path.parent
@@ -100,7 +103,7 @@ class ApiServer:
         The log is appended to, so a restart keeps the first run's lines."""
         self.port = free_port()
         cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--host", "127.0.0.1", "--port", str(self.port), *self.args,
         ]  # fmt: skip
         t0 = time.monotonic()
