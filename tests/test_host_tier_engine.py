@@ -276,7 +276,11 @@ def test_abort_mid_load_releases_everything(model_8l, monkeypatch, vllm_patched)
     assert not engine.has_unfinished_requests()
     assert aborted  # the request was scheduled with host loads, then aborted
     assert tier.index.pinned_slots == 0
-    assert not tier.matcher.matched and not tier.matcher.lookups and not tier.slots.step_pins
+    assert (
+        not tier.matcher.matched
+        and not tier.matcher.lookups
+        and not tier.slots.step_pins
+    )
     # Host memory changed only by the blocks the victim's allocation evicted
     # (spilled as usual): nothing is held for the aborted load.
     new_blocks = (counters.spilled_blocks - spilled) - (

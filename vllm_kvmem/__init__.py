@@ -14,12 +14,25 @@ vLLM loads any plugin::
 
     vllm_kvmem.register()
     llm = LLM(model, kv_cache_memory_bytes=5 << 30, enable_pp_prop_kv_cache=True)
+
+or ``vllm_kvmem.LLM(...)``, which takes that step and builds vLLM's ``LLM``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm_kvmem.plugin import register
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "register"]
+__all__ = ["LLM", "__version__", "register"]
+
+
+def LLM(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 (vLLM's class name)
+    """``vllm.LLM(*args, **kwargs)`` with :func:`register` called first, so
+    that vllm-kvmem's keyword arguments are accepted."""
+    register()
+    from vllm import LLM as VllmLLM
+
+    return VllmLLM(*args, **kwargs)
