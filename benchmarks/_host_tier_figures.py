@@ -7,11 +7,12 @@ results file), so the figures can be redone without an engine.
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
-from _report import print_rows
+from _report import machine_label, model_label, print_rows, save_figure, set_title
 
 from vllm_kvmem.core.stats import percentile
 
@@ -287,68 +288,155 @@ def print_hits(hits: dict[str, Any]) -> None:
         )
 
 
-def plot(
-    best: dict[tuple[str, float], dict[str, Any]],
-    hits: dict[str, Any],
-    path: Path,
-    title: str,
-) -> None:
+#: The configurations and revisit groups in words (legends, bar labels).
+CONFIG_LABELS = {
+    "none": "no tier (evicted prefixes recomputed)",
+    "host": "kvmem host tier",
+    "example": "vLLM's ExampleConnector (KV saved to files on disk)",
+}
+HIT_LABELS = {
+    "recompute": "no tier:\nprefix recomputed",
+    "host_hit": "kvmem host tier:\nprefix loaded from host memory",
+    "example_hit": "ExampleConnector:\nprefix read from disk",
+}
+COLORS = {"none": "tab:gray", "host": "tab:blue", "example": "tab:orange"}
+HIT_COLORS = {
+    "recompute": "tab:gray",
+    "host_hit": "tab:blue",
+    "example_hit": "tab:orange",
+}
+
+
+def title_lines(report: dict[str, Any]) -> list[str]:
+    w = report["workload"]
+    return [
+        f"Host KV tier, document Q&A: each request is a {w['doc_tokens']}-token "
+        "document and a question, one at a time; reuse = share of requests "
+        "that revisit a document the device cache has evicted",
+        f"{model_label(report['model'])}; {machine_label(report)}",
+    ]
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Any:
+    """The PNG of a JSON this benchmark wrote (the run's and ``--replot``'s)."""
+    fig = figure(report)
+    save_figure(fig, path)
+    return fig
+
+
+def _by_reuse_lines(ax_tp: Any, ax_ttft: Any, best: dict, configs: list[str]) -> None:
+    """Three or more reuse levels: a line per configuration."""
+    for config in configs:
+        pts = sorted((r, run["summary"]) for (c, r), run in best.items() if c == config)
+        xs = [100 * r for r, _ in pts]
+        color, label = COLORS[config], CONFIG_LABELS[config]
+        ax_tp.plot(xs, [s["prompt_tokens_per_s"] for _, s in pts], marker="o",
+                   color=color, label=label)  # fmt: skip
+        ax_ttft.plot(xs, [1e3 * s["ttft_p50_s"] for _, s in pts], marker="o",
+                     color=color, label=f"{label}, p50")  # fmt: skip
+        ax_ttft.plot(xs, [1e3 * s["ttft_p90_s"] for _, s in pts], ls="--",
+                     color=color, label=f"{label}, p90")  # fmt: skip
+    for ax in (ax_tp, ax_ttft):
+        ax.set_xlabel("reuse (% of requests revisiting an evicted document)")
+
+
+def _by_reuse_bars(ax_tp: Any, ax_ttft: Any, best: dict, configs: list[str]) -> None:
+    """One or two reuse levels: bars per level (no line between two points)."""
+    reuses = sorted({r for _, r in best})
+    width = 0.8 / len(configs)
+    for k, config in enumerate(configs):
+        xs, tp, p50, p90 = [], [], [], []
+        for i, reuse in enumerate(reuses):
+            run = best.get((config, reuse))
+            if run is None:
+                continue
+            s = run["summary"]
+            xs.append(i + (k - (len(configs) - 1) / 2) * width)
+            tp.append(s["prompt_tokens_per_s"])
+            p50.append(1e3 * s["ttft_p50_s"])
+            p90.append(1e3 * s["ttft_p90_s"])
+        label = CONFIG_LABELS[config]
+        ax_tp.bar(xs, tp, width, color=COLORS[config], label=label)
+        if ax_ttft is not None:
+            ax_ttft.bar(xs, p50, width, color=COLORS[config], label=f"{label}, p50")
+            ax_ttft.scatter(xs, p90, color="black", marker="_", s=300,
+                            label="p90 (black tick)" if k == 0 else None)  # fmt: skip
+    labels = [f"{100 * r:.0f}% reuse" for r in reuses]
+    for ax in (ax_tp, ax_ttft):
+        if ax is not None:
+            ax.set_xticks(range(len(reuses)), labels)
+
+
+def _plain_log_ticks(ax: Any) -> None:
+    """A log axis labelled 200, 1000, 4000 instead of 2x10^2 ..."""
+    from matplotlib.ticker import FuncFormatter
+
+    def label(v: float, _: Any) -> str:
+        lead = round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+        return f"{v:g}" if lead in (1, 2, 5) else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(label))
+    ax.yaxis.set_minor_formatter(FuncFormatter(label))
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """Throughput and TTFT per reuse level and configuration (the fastest
+    repeat of each), and the TTFT of revisits of evicted documents: recomputed,
+    from the host tier, from ExampleConnector. Lines need three reuse levels;
+    with two they are bars, and with one the TTFT panel (the same requests as
+    the revisit panel at 100% reuse) is left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"none": "tab:gray", "host": "tab:blue", "example": "tab:orange"}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    for config in CONFIGS:
-        pts = sorted((r, run["summary"]) for (c, r), run in best.items() if c == config)
-        if not pts:
-            continue
-        xs = [100 * r for r, _ in pts]
-        axes[0].plot(
-            xs,
-            [s["prompt_tokens_per_s"] for _, s in pts],
-            marker="o",
-            color=colors[config],
-            label=config,
-        )
-        p50 = [1e3 * s["ttft_p50_s"] for _, s in pts]
-        p90 = [1e3 * s["ttft_p90_s"] for _, s in pts]
-        axes[1].plot(xs, p50, marker="o", color=colors[config], label=f"{config} p50")
-        axes[1].plot(
-            xs, p90, linestyle="--", color=colors[config], label=f"{config} p90"
-        )
-    axes[0].set_title("throughput vs reuse")
-    axes[0].set_ylabel("prompt tokens / s")
-    axes[1].set_title("TTFT vs reuse (all measured requests)")
-    axes[1].set_ylabel("ms")
-    axes[1].set_yscale("log")
-    for ax in axes[:2]:
-        ax.set_xlabel("reuse (% of requests revisiting an evicted document)")
+    best = pick_runs(report["runs"])
+    hits = report["hit_vs_recompute"]
+    configs = [c for c in CONFIGS if any(k[0] == c for k in best)]
+    reuses = sorted({r for _, r in best})
+    names = [n for n in ("recompute", "host_hit", "example_hit") if hits[n]["n"]]
+    panels = 1 + (len(reuses) > 1) + (len(names) > 1)
+    fig, axes = plt.subplots(
+        1, panels, figsize=(6 * panels, 5.4), layout="constrained", squeeze=False
+    )
+    axes = list(axes[0])
+    ax_tp = axes[0]
+    ax_ttft = axes[1] if len(reuses) > 1 else None
+    if len(reuses) >= 3:
+        _by_reuse_lines(ax_tp, ax_ttft, best, configs)
+    else:
+        _by_reuse_bars(ax_tp, ax_ttft, best, configs)
+    ax_tp.set_title("throughput (fastest repeat)")
+    ax_tp.set_ylabel("prompt tokens / s")
+    ax_tp.set_ylim(bottom=0)
+    if ax_ttft is not None:
+        ax_ttft.set_title("TTFT of all measured requests")
+        ax_ttft.set_ylabel("ms (log scale)")
+        ax_ttft.set_yscale("log")
+        _plain_log_ticks(ax_ttft)
+    for ax in axes[: 1 + (ax_ttft is not None)]:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylim(bottom=0)
 
-    names = [n for n in ("recompute", "host_hit", "example_hit") if hits[n]["n"]]
-    ax = axes[2]
-    p50 = [1e3 * hits[n]["p50_s"] for n in names]
-    p90 = [1e3 * hits[n]["p90_s"] for n in names]
-    bar_colors = [
-        {"recompute": "tab:gray", "host_hit": "tab:blue", "example_hit": "tab:orange"}[
-            n
+    if len(names) > 1:
+        ax = axes[-1]
+        p50 = [1e3 * hits[n]["p50_s"] for n in names]
+        p90 = [1e3 * hits[n]["p90_s"] for n in names]
+        labels = [
+            f"{HIT_LABELS[n]}\np50 {v:.0f} ms (n={hits[n]['n']})"
+            for n, v in zip(names, p50)
         ]
-        for n in names
-    ]
-    labels = [f"{n}\np50 {v:.0f} ms (n={hits[n]['n']})" for n, v in zip(names, p50)]
-    ax.bar(labels, p50, color=bar_colors)
-    ax.scatter(labels, p90, color="black", marker="_", s=400, label="p90")
-    if names:
+        ax.bar(labels, p50, color=[HIT_COLORS[n] for n in names], label="p50")
+        ax.scatter(labels, p90, color="black", marker="_", s=400, label="p90")
         ax.set_yscale("log")
         ax.legend(fontsize=8)
-    ax.set_ylabel("TTFT p50 (ms)")
-    ax.set_title(f"revisit of an evicted {hits['prefix_tokens']}-token prefix")
-    ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.set_ylabel("TTFT (ms, log scale)")
+        ax.set_title(
+            f"TTFT of a revisit\n(its {hits['prefix_tokens']}-token prefix "
+            "was evicted from the device)"
+        )
+        _plain_log_ticks(ax)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    set_title(fig, title_lines(report))
+    return fig

@@ -106,3 +106,79 @@ def finish(out: Path, png: Path, failed: int, see: str) -> int:
         print(f"\n{failed} run(s) failed; see {see} in the JSON")
     print(f"\nJSON: {out}\nPNG:  {png}")
     return 1 if failed else 0
+
+
+# -- plots ----------------------------------------------------------------------
+
+
+def published_name(name: str | None) -> str | None:
+    """The published model a catalog shape copies (``qwen2.5-0.5b`` ->
+    ``Qwen2.5-0.5B``, from its Hugging Face id); None for a name that is not
+    in ``kvmem shape-model``'s catalog."""
+    if not name:
+        return None
+    try:
+        from vllm_kvmem.shape_model import get_shape
+
+        return get_shape(name).source.rsplit("/", 1)[-1]
+    except Exception:  # not a catalog name (e.g. the stall bench's bf16-32l)
+        return None
+
+
+def model_label(model: dict[str, Any]) -> str:
+    """What a JSON's ``model`` record is, in words: a published shape by its
+    published name, else the random-weight test model's size; then its dtype."""
+    name = published_name(model.get("name") or model.get("shape"))
+    dtype = model.get("dtype", "?")
+    if name:
+        layers = model.get("num_layers")
+        depth = f" cut to {layers} layers" if layers else ""
+        return f"{name} shape{depth} (random weights), {dtype}"
+    layers = model.get("num_layers") or model.get("layers")
+    kv = model.get("num_kv_heads") or model.get("kv_heads")
+    parts = [f"{layers} layers"]
+    if model.get("hidden_size"):
+        parts.append(f"hidden {model['hidden_size']}")
+    if kv and model.get("head_dim"):
+        parts.append(f"{kv} KV heads of {model['head_dim']}")
+    return f"tiny random-weight test model ({', '.join(parts)}), {dtype}"
+
+
+def machine_label(report: dict[str, Any]) -> str:
+    """``GPU: <name>`` or ``CPU (<n> cores)``, from what the JSON recorded."""
+    gpu = report.get("gpu")
+    if report.get("device") == "cuda" or report.get("platform") == "GPU" or gpu:
+        name = (gpu or {}).get("name") or report.get("device_name") or "?"
+        return f"GPU: {name}"
+    cores = (report.get("machine") or {}).get("cpu_count")
+    return f"CPU ({cores} cores)" if cores else "CPU"
+
+
+def code_label(report: dict[str, Any]) -> str | None:
+    """``kvmem <commit>`` for a run that recorded the code it measured."""
+    head = (report.get("code_under_test") or {}).get("git_head")
+    return f"kvmem {head[:7]}" if head else None
+
+
+def set_title(fig: Any, lines: Sequence[str], fontsize: float = 11) -> None:
+    """The figure's title, each line wrapped to the figure's width so that no
+    edge is clipped (the figure uses the constrained layout, which makes room
+    for it)."""
+    import textwrap
+
+    width = fig.get_figwidth() * 72 / (fontsize * 0.56)  # DejaVu Sans, average
+    text = "\n".join(
+        wrapped for line in lines for wrapped in textwrap.wrap(line, int(width))
+    )
+    fig.suptitle(text, fontsize=fontsize)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())

@@ -13,7 +13,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from _report import print_rows
+from _report import (
+    code_label,
+    machine_label,
+    model_label,
+    print_rows,
+    save_figure,
+    set_title,
+)
 
 CONFIGS = ("none", "tier")
 TARGET_ZERO_REUSE_RATIO = 0.98  # throughput tier/none at 0% reuse
@@ -245,67 +252,135 @@ def print_correctness(corr: dict[str, Any]) -> None:
         print(line)
 
 
-def plot(
-    levels: list[dict[str, Any]], reuse_of: dict[str, float], path: Path, title: str
-):
+def title_lines(report: dict[str, Any]) -> list[str]:
+    """What the figure shows, the workload, and what ran it where."""
+    w = report["workload"]
+    code = code_label(report)
+    return [
+        "Host KV tier under load: kvmem host tier against no tier, "
+        "same prompts, ratio of the two servers' figures",
+        f"vllm bench serve, prefix_repetition, {w['num_prompts']} prompts of "
+        f"{w['prefix_len']}+{w['suffix_len']} tokens in, {w['output_len']} out, "
+        f"concurrency {w['concurrency']}, {w['repeats']} repeats",
+        f"{model_label(report['model'])}; {machine_label(report)}"
+        + (f"; {code}" if code else ""),
+    ]
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Any:
+    """The PNG of a JSON this benchmark wrote (the run's and ``--replot``'s)."""
+    fig = figure(report)
+    save_figure(fig, path)
+    return fig
+
+
+def _ratio_points(ax: Any, xs: list[float], stats: list[dict[str, Any]]) -> None:
+    """Median and min-max of each x's paired repeats, and every repeat."""
+    med, lo, hi = [], [], []
+    for s in stats:
+        m = s["median"] if s["median"] is not None else float("nan")
+        med.append(m)
+        lo.append(m - s["min"] if s["min"] is not None else 0)
+        hi.append(s["max"] - m if s["max"] is not None else 0)
+    n = max((s["n"] for s in stats), default=0)
+    ax.errorbar(
+        xs,
+        med,
+        yerr=[lo, hi],
+        fmt="o",
+        capsize=6,
+        color="tab:blue",
+        label=f"median of {n} repeats (bar: min to max)",
+    )
+    for x, s in zip(xs, stats):
+        ax.scatter(
+            [x] * len(s["values"]),
+            s["values"],
+            color="tab:blue",
+            alpha=0.3,
+            s=12,
+            label="one repeat (tier and no tier run back to back)",
+        )
+    ax.axhline(1.0, color="gray", lw=1, label="1.0: same as no tier")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _target(ax: Any, x0: float, x1: float, value: float, label: str) -> None:
+    ax.hlines(value, x0, x1, colors="tab:red", linestyles="--", label=label)
+
+
+def _legend(fig: Any, axes: Any, ncols: int = 3) -> None:
+    """One legend under the panels, each series named once."""
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    fig.legend(
+        list(seen.values()),
+        list(seen),
+        loc="outside lower center",
+        ncols=min(len(seen), ncols),
+        fontsize=9,
+    )
+
+
+THROUGHPUT_TARGET = (
+    f"target: throughput tier / no tier at least {TARGET_ZERO_REUSE_RATIO:g} "
+    f"at 0% reuse, {TARGET_REUSE_RATIO:g} above"
+)
+ITL_TARGET = f"target: p99 ITL tier / no tier at most {TARGET_P99_ITL_RATIO:g}"
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """Per reuse level: throughput and p99 ITL, tier / none, median and
+    min-max of the paired repeats, against the issue's targets. A run of one
+    reuse level is one panel with the two ratios side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    levels = [lv for lv in report["levels"] if lv["configs"]]
+    reuse_of = {n: lv["reuse"] for n, lv in report["workload"]["levels"].items()}
+    if len(levels) == 1:
+        lv = levels[0]
+        reuse = reuse_of[lv["level"]]
+        fig, ax = plt.subplots(figsize=(11, 6), layout="constrained")
+        _ratio_points(
+            ax, [0, 1], [lv["ratios"]["req_per_s"], lv["ratios"]["itl_p99_ms"]]
+        )
+        need = TARGET_ZERO_REUSE_RATIO if reuse == 0 else TARGET_REUSE_RATIO
+        _target(ax, -0.3, 0.3, need, THROUGHPUT_TARGET)
+        _target(ax, 0.7, 1.3, TARGET_P99_ITL_RATIO, ITL_TARGET)
+        ax.set_xticks([0, 1], ["throughput (req/s)", "p99 inter-token latency"])
+        ax.set_xlim(-0.6, 1.6)
+        ax.set_ylabel("tier / no tier")
+        ax.set_title(f"one reuse level: {lv['level']}, {reuse:.0%} reuse")
+        _legend(fig, [ax], ncols=2)
+        set_title(fig, title_lines(report))
+        return fig
+
     names = [lv["level"] for lv in levels]
     labels = [f"{n}\n{reuse_of[n]:.0%} reuse" for n in names]
     xs = list(range(len(names)))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    panels = (
-        (axes[0], "req_per_s", "throughput tier / none (req/s)"),
-        (axes[1], "itl_p99_ms", "p99 ITL tier / none"),
-    )
-    for ax, fig_key, ylabel in panels:
-        med, lo, hi = [], [], []
-        for lv in levels:
-            s = lv["ratios"][fig_key]
-            m = s["median"] if s["median"] is not None else float("nan")
-            med.append(m)
-            lo.append(m - s["min"] if s["min"] is not None else 0)
-            hi.append(s["max"] - m if s["max"] is not None else 0)
-        ax.errorbar(
-            xs,
-            med,
-            yerr=[lo, hi],
-            fmt="o",
-            capsize=6,
-            color="tab:blue",
-            label="median, min-max of repeats",
-        )
-        for x, lv in zip(xs, levels):
-            vals = lv["ratios"][fig_key]["values"]
-            ax.scatter([x] * len(vals), vals, color="tab:blue", alpha=0.3, s=12)
-        ax.axhline(1.0, color="gray", lw=1)
-        if fig_key == "req_per_s":
-            zero = [x for x, n in zip(xs, names) if reuse_of[n] == 0]
-            rest = [x for x, n in zip(xs, names) if reuse_of[n] > 0]
-            for where, target, label in (
-                (zero, TARGET_ZERO_REUSE_RATIO, "target"),
-                (rest, TARGET_REUSE_RATIO, None),
-            ):
-                if where:
-                    ax.hlines(
-                        target,
-                        min(where) - 0.3,
-                        max(where) + 0.3,
-                        colors="tab:red",
-                        linestyles="--",
-                        label=label,
-                    )
-        else:
-            ax.axhline(TARGET_P99_ITL_RATIO, color="tab:red", ls="--", label="target")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.8), layout="constrained")
+    for ax, key, ylabel in (
+        (axes[0], "req_per_s", "throughput, tier / no tier (req/s)"),
+        (axes[1], "itl_p99_ms", "p99 inter-token latency, tier / no tier"),
+    ):
+        _ratio_points(ax, xs, [lv["ratios"][key] for lv in levels])
         ax.set_xticks(xs, labels)
         ax.set_xlim(-0.5, len(xs) - 0.5)
         ax.set_ylabel(ylabel)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        ax.set_xlabel("reuse level: share of prompts whose prefix was sent before")
+    zero = [x for x, n in zip(xs, names) if reuse_of[n] == 0]
+    rest = [x for x, n in zip(xs, names) if reuse_of[n] > 0]
+    for where, target in ((zero, TARGET_ZERO_REUSE_RATIO), (rest, TARGET_REUSE_RATIO)):
+        if where:
+            _target(
+                axes[0], min(where) - 0.3, max(where) + 0.3, target, THROUGHPUT_TARGET
+            )
+    _target(axes[1], -0.5, len(xs) - 0.5, TARGET_P99_ITL_RATIO, ITL_TARGET)
+    _legend(fig, axes)
+    set_title(fig, title_lines(report))
+    return fig

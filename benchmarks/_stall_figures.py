@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from _report import print_rows
+from _report import machine_label, model_label, print_rows, save_figure, set_title
 
 #: A configuration beside none and tier: no tier, and a device cache large
 #: enough that D1 is never evicted, so B is a device prefix hit: the floor of
@@ -233,7 +233,40 @@ def print_table(agg: dict[str, dict[str, Any]], runs: list[dict[str, Any]]) -> N
     )
 
 
-def plot(runs: list[dict[str, Any]], configs: list[str], path: Path, title: str):
+def config_label(config: str) -> str:
+    """A configuration's name in words: none, tier, device, tier@SIZE
+    (another per-step copy budget), tier+drop (late spill: drop)."""
+    if config == "none":
+        return "no tier (B recomputes the document)"
+    if config == DEVICE_CONFIG:
+        return "no tier, device cache big enough to keep the document (floor)"
+    base, _, late = config.partition("+")
+    words = "kvmem host tier"
+    if "@" in base:
+        words += f", copy budget {base.split('@', 1)[1]} per step"
+    if late:
+        words += f", late spill: {late}"
+    return words
+
+
+def title_lines(report: dict[str, Any]) -> list[str]:
+    w = report["workload"]
+    return [
+        f"Host KV tier stall: request A streams {w['decode_tokens']} tokens; "
+        f"meanwhile request B re-reads a {w['d1_tokens']}-token document that the "
+        "device cache has evicted. Each point: the gap before one of A's tokens",
+        f"{model_label(report['model'])}; {machine_label(report)}",
+    ]
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Any:
+    """The PNG of a JSON this benchmark wrote (the run's and ``--replot``'s)."""
+    fig = figure(report)
+    save_figure(fig, path)
+    return fig
+
+
+def figure(report: dict[str, Any]) -> Any:
     """A's gaps over time, aligned at B's send (t = 0), one panel per config;
     B's send..response shaded per run."""
     import matplotlib
@@ -241,8 +274,15 @@ def plot(runs: list[dict[str, Any]], configs: list[str], path: Path, title: str)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = report["runs"]
+    configs = [c for c in report["workload"]["configs"] if c in report["summary"]]
     fig, axes = plt.subplots(
-        1, len(configs), figsize=(7 * len(configs), 4.6), sharey=True, squeeze=False
+        1,
+        len(configs),
+        figsize=(7 * len(configs), 5.4),
+        sharey=True,
+        squeeze=False,
+        layout="constrained",
     )
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, config in zip(axes[0], configs):
@@ -253,17 +293,22 @@ def plot(runs: list[dict[str, Any]], configs: list[str], path: Path, title: str)
             spans = gaps(token_arrivals(res["a"]["chunks"]))
             xs = [e - b["t_send"] for _, e in spans]
             ys = [max(1e3 * (e - s), 0.1) for s, e in spans]  # log axis: no zeros
-            ax.plot(xs, ys, marker=".", ms=3, lw=0.8, color=color, label=f"#{i}")
+            ax.plot(
+                xs, ys, marker=".", ms=3, lw=0.8, color=color,
+                label=f"repeat {r.get('repeat', i) + 1}",
+            )  # fmt: skip
             ax.axvspan(0, b["latency_s"], color=color, alpha=0.12)
             ax.axvline(b["latency_s"], color=color, ls=":", lw=0.8)
-        ax.axvline(0, color="black", lw=1, label="B sent")
+        ax.axvline(0, color="black", lw=1, label="B sent (t = 0)")
+        ax.axvline(
+            float("nan"), color="gray", ls=":", lw=0.8,
+            label="B answered (dotted, shaded: B in flight)",
+        )  # fmt: skip
         ax.set_yscale("log")
-        ax.set_xlabel("A's token arrival, s after B was sent (shaded: B in flight)")
-        ax.set_title(f"{config}")
+        ax.set_xlabel("time of A's token, s after B was sent")
+        ax.set_title(config_label(config), fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("gap before this token (ms)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    axes[0][0].set_ylabel("gap before this token of A (ms, log scale)")
+    set_title(fig, title_lines(report))
+    return fig

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from _report import print_rows
+from _report import machine_label, print_rows, save_figure, set_title
 from _transfer_cases import DIRECTIONS, LAYOUTS, MIB, PATTERNS, SAME_SPEED, Result
 
 if TYPE_CHECKING:
@@ -221,27 +221,102 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def plot(
-    results: list[Result], ceiling: dict[str, dict[str, float]], path: Path, title: str
-) -> None:
+#: What the layouts and directions are, in words (legend, panel titles).
+LAYOUT_LABELS = {
+    "contiguous": "contiguous layout, one copy per block",
+    "contiguous_gather": "contiguous layout, gathered (one kernel + one copy)",
+    "contiguous_auto": "contiguous layout, engine picks (auto)",
+    "per_layer": "per-layer layout (vLLM's default), gathered",
+    "per_layer_naive": "per-layer layout, one copy per layer per block (no engine)",
+}
+PATTERN_LABELS = {
+    "scattered": "scattered blocks (every other, shuffled)",
+    "consecutive": "consecutive blocks",
+}
+DIRECTION_LABELS = {
+    "d2h": "device to host (d2h: save)",
+    "h2d": "host to device (h2d: load)",
+}
+COLORS = {
+    "contiguous": "tab:blue",
+    "contiguous_gather": "tab:green",
+    "contiguous_auto": "tab:purple",
+    "per_layer": "tab:orange",
+    "per_layer_naive": "tab:red",
+}
+STYLES = {"scattered": "-", "consecutive": "--"}
+
+
+def shape_label(shape: dict[str, Any]) -> str:
+    """``8b`` -> "8B-like KV shape (32 layers, 8 KV heads of 128, bf16)"."""
+    name = "8B-like" if shape["name"] == "8b" else shape["name"]
+    dtype = {2: "bf16", 4: "fp32"}.get(shape.get("dtype_bytes", 2), "?")
+    return (
+        f"{name} KV shape ({shape['num_layers']} layers, {shape['num_kv_heads']} "
+        f"KV heads of {shape['head_dim']}, {dtype})"
+    )
+
+
+def title_lines(report: dict[str, Any]) -> list[str]:
+    c = report["config"]
+    where = (
+        "GPU memory <-> pinned host memory"
+        if report.get("device") == "cuda"
+        else "on CPU the 'device' is a plain tensor in RAM"
+    )
+    return [
+        f"KV block copy speed of the host tier's copy engine: {c['blocks']} "
+        f"blocks per transfer, median of {c['iters']} runs ({where})",
+        machine_label(report),
+    ]
+
+
+def reference_label(report: dict[str, Any], results: list[Result]) -> str:
+    """The dotted line's meaning: one plain large copy in the same run, and
+    whether measured points exceed it (then it is no ceiling)."""
+    ceiling = report["ceiling"]
+    mib = ceiling["d2h"]["bytes"] / MIB
+    above = sum(r.gbps > ceiling[r.direction]["gbps"] for r in results)
+    label = f"one plain {mib:.0f} MiB copy, measured in the same run"
+    if above:
+        why = (
+            "copies small enough for the CPU caches beat it"
+            if report.get("device") != "cuda"
+            else "it is no limit"
+        )
+        label += f"\n(not a ceiling: {above} points are faster; {why})"
+    return label
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Any:
+    """The PNG of a JSON this benchmark wrote (the run's and ``--replot``'s)."""
+    fig = figure(report)
+    save_figure(fig, path)
+    return fig
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """GB/s against block size: a row per model shape, a column per
+    direction, a line per layout and block pattern."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    shapes = sorted({r.shape for r in results})
+    fields = set(Result.__dataclass_fields__)
+    results = [Result(**{k: v for k, v in r.items() if k in fields})
+               for r in report["results"]]  # fmt: skip
+    ceiling = report["ceiling"]
+    shapes = {s["name"]: s for s in report["config"].get("shapes", [])}
+    names = sorted({r.shape for r in results})
     fig, axes = plt.subplots(
-        len(shapes), 2, figsize=(12, 4.2 * len(shapes)), squeeze=False, sharex=True
-    )
-    styles = {"scattered": "-", "consecutive": "--"}
-    colors = {
-        "contiguous": "tab:blue",
-        "contiguous_gather": "tab:green",
-        "contiguous_auto": "tab:purple",
-        "per_layer": "tab:orange",
-        "per_layer_naive": "tab:red",
-    }
-    for i, shape in enumerate(shapes):
+        len(names), 2, figsize=(13, 4.4 * len(names) + 2.2), squeeze=False,
+        sharex=True, layout="constrained",
+    )  # fmt: skip
+    ref = reference_label(report, results)
+    for i, name in enumerate(names):
+        shape = shapes.get(name)
         for j, direction in enumerate(DIRECTIONS):
             ax = axes[i][j]
             for layout in LAYOUTS:
@@ -250,30 +325,33 @@ def plot(
                         (r.block_size, r.gbps)
                         for r in results
                         if (r.shape, r.layout, r.pattern, r.direction)
-                        == (shape, layout, pattern, direction)
+                        == (name, layout, pattern, direction)
                     )
                     if pts:
                         ax.plot(
-                            [p[0] for p in pts],
-                            [p[1] for p in pts],
-                            styles[pattern],
-                            marker="o",
-                            color=colors[layout],
-                            label=f"{layout}, {pattern}",
-                        )
-            ax.axhline(
-                ceiling[direction]["gbps"], color="gray", linestyle=":", label="ceiling"
-            )
+                            [p[0] for p in pts], [p[1] for p in pts],
+                            STYLES[pattern], marker="o", color=COLORS[layout],
+                        )  # fmt: skip
+            ax.axhline(ceiling[direction]["gbps"], color="gray", linestyle=":")
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted({r.block_size for r in results}))
             ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.set_ylim(bottom=0)
-            ax.set_title(f"{shape}: {direction}")
+            ax.set_title(
+                f"{shape_label(shape) if shape else name}\n"
+                f"{DIRECTION_LABELS[direction]}",
+                fontsize=10,
+            )
             ax.set_xlabel("block size (tokens)")
             ax.set_ylabel("GB/s")
             ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    layouts = [lay for lay in LAYOUTS if any(r.layout == lay for r in results)]
+    handles = [Line2D([], [], color=COLORS[lay], marker="o") for lay in layouts]
+    labels = [LAYOUT_LABELS[lay] for lay in layouts]
+    handles += [Line2D([], [], color="black", ls=STYLES[p]) for p in PATTERNS]
+    labels += [PATTERN_LABELS[p] for p in PATTERNS]
+    handles.append(Line2D([], [], color="gray", ls=":"))
+    labels.append(ref)
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=9)
+    set_title(fig, title_lines(report))
+    return fig

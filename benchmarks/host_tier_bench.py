@@ -104,7 +104,7 @@ from _host_tier_figures import (  # noqa: E402
     outputs_identical,
     paired_ratios,
     pick_runs,
-    plot,
+    plot_report,
     print_hits,
     print_table,
     summarize_run,
@@ -668,13 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     png = write_json(out, report)
     if best:
-        plot(
-            best,
-            hits,
-            png,
-            f"Host KV tier, document Q&A, {args.doc_tokens}-token prefixes, "
-            f"{args.shape.tag} on {os.cpu_count()} CPU cores",
-        )
+        plot_report(report, png)
 
     print_table(best)
     if hits["recompute"]["n"] or hits["host_hit"]["n"]:
@@ -696,18 +690,7 @@ def replot(path: Path) -> int:
     best = pick_runs(report["runs"])
     hits = report["hit_vs_recompute"]
     png = path.with_suffix(".png")
-    model = report["model"]
-    if "name" in model:  # a published shape
-        shape = PublishedShape(model["name"], model["dtype"], model["num_layers"])
-    else:
-        shape = ModelShape(**{k: model[k] for k in asdict(FULL_MODEL) if k in model})
-    plot(
-        best,
-        hits,
-        png,
-        f"Host KV tier, document Q&A, {report['workload']['doc_tokens']}-token "
-        f"prefixes, {shape.tag} on {report['machine']['cpu_count']} CPU cores",
-    )
+    plot_report(report, png)
     print_table(best)
     print_hits(hits)
     print_targets(report["targets"])

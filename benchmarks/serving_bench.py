@@ -123,13 +123,20 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 from _model import PublishedShape  # noqa: E402
-from _report import finish, print_targets, provenance, versions, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    finish,
+    load_report,
+    print_targets,
+    provenance,
+    versions,
+    write_json,
+)
 from _server import ApiServer, http, metric_delta, parse_metrics  # noqa: E402, F401
 from _serving_figures import (  # noqa: E402
     CONFIGS,
     correctness,
     evaluate_targets,
-    plot,
+    plot_report,
     print_correctness,
     print_table,
     run_ok,
@@ -519,6 +526,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="runs per config and level (default 5, quick 2)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "serving_cpu.json")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="redraw the PNG of an earlier JSON (next to it), run nothing",
+    )
     parser.add_argument("--num-prompts", type=int, default=None, help="default 96")
     parser.add_argument("--prefix-len", type=int, default=384)
     parser.add_argument("--suffix-len", type=int, default=32)
@@ -573,6 +586,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        png = args.replot.with_suffix(".png")
+        plot_report(load_report(args.replot), png)
+        print(f"PNG:  {png}")
+        return 0
     if args.dry_run:
         model = ensure_model(args.model_cache, args.shape, args.dtype)
         print(json.dumps(dry_run(args, model), indent=1))
@@ -752,15 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     png = write_json(out, report)
     if any(lv["configs"] for lv in level_summaries):
-        plot(
-            level_summaries,
-            reuse_of,
-            png,
-            f"Host KV tier under load (vllm bench serve, prefix_repetition "
-            f"{args.prefix_len}+{args.suffix_len} in, {args.output_len} out, "
-            f"concurrency {args.concurrency}), 8-layer fp32 on "
-            f"{os.cpu_count()} CPU cores",
-        )
+        plot_report(report, png)
     print_table(level_summaries, reuse_of)
     print_correctness(corr)
     print_targets(targets)

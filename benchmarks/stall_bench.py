@@ -104,13 +104,20 @@ if importlib.util.find_spec("vllm_kvmem") is None:
     sys.path.append(str(ROOT))
 
 from _model import ModelShape  # noqa: E402
-from _report import finish, print_targets, provenance, versions, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    finish,
+    load_report,
+    print_targets,
+    provenance,
+    versions,
+    write_json,
+)
 from _server import ApiServer, http, parse_metrics  # noqa: E402
 from _stall_figures import (  # noqa: E402
     DEVICE_CONFIG,
     aggregate,
     evaluate_targets,
-    plot,
+    plot_report,
     print_table,
     summarize_run,
 )
@@ -506,6 +513,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "goes next to it",
     )
     parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="redraw the PNG of an earlier JSON (next to it), run nothing",
+    )
+    parser.add_argument(
         "--configs",
         type=_configs,
         default=list(CONFIGS),
@@ -666,6 +679,11 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        png = args.replot.with_suffix(".png")
+        plot_report(load_report(args.replot), png)
+        print(f"PNG:  {png}")
+        return 0
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     out: Path = args.out
@@ -718,14 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     agg, targets = report["summary"], report["targets"]
     png = write_json(out, report)
     if agg:
-        plot(
-            runs,
-            [c for c in args.configs if c in agg],
-            png,
-            f"Host KV tier stall: A streams {args.decode_tokens} tokens, B re-reads "
-            f"an evicted {args.d1_tokens}-token document ({shape.tag}, "
-            f"{os.cpu_count()} CPU cores)",
-        )
+        plot_report(report, png)
     print_table(agg, runs)
     print_targets(targets)
     failed = [r for r in runs if not r["ok"]]

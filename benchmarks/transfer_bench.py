@@ -69,7 +69,15 @@ from pathlib import Path
 from typing import Any
 
 import torch  # noqa: E402
-from _report import finish, print_rows, print_targets, provenance, versions, write_json  # noqa: E402
+from _report import (  # noqa: E402
+    finish,
+    load_report,
+    print_rows,
+    print_targets,
+    provenance,
+    versions,
+    write_json,
+)
 from _transfer_cases import (  # noqa: E402
     AUTO_UNVERIFIED,
     BLOCK_SIZES,
@@ -83,7 +91,7 @@ from _transfer_cases import (  # noqa: E402
 )
 from _transfer_report import (  # noqa: E402
     evaluate_targets,
-    plot,
+    plot_report,
     print_table,
     target_label,
 )
@@ -547,6 +555,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated tokens per block (default 16,32,64,128,256)",
     )
     parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        help="redraw the PNG of an earlier JSON (next to it), run nothing",
+    )
+    parser.add_argument(
         "--ceiling-mib", type=int, default=256, help="size of the plain copy (MiB)"
     )
     parser.add_argument(
@@ -630,6 +644,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     t_begin = time.time()
     args = parse_args(argv)
+    if args.replot:
+        png = args.replot.with_suffix(".png")
+        plot_report(load_report(args.replot), png)
+        print(f"PNG:  {png}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -728,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [asdict(o) for o in overlaps],
         }
     png = write_json(out, report)
-    plot(results, ceiling, png, f"KV block transfers on {device.type} ({device_name})")
+    plot_report(report, png)
 
     print_table(results, ceiling)
     if args.pageable:
