@@ -29,6 +29,8 @@ PUBLISHED = {
     "smollm2-135m": ("LlamaConfig", 30, 3, 64, 49152, True, 134_515_008),
     "qwen2.5-0.5b": ("Qwen2Config", 24, 2, 64, 151936, True, 494_032_768),
     "llama-3.1-8b": ("LlamaConfig", 32, 8, 128, 128256, False, 8_030_261_248),
+    "llama-3.1-70b": ("LlamaConfig", 80, 8, 128, 128256, False, 70_553_706_496),
+    "qwen2.5-72b": ("Qwen2Config", 80, 8, 128, 152064, False, 72_706_203_648),
     "qwen2.5-7b": ("Qwen2Config", 28, 4, 128, 152064, False, 7_615_616_512),
     "gemma-3-1b": ("Gemma3TextConfig", 26, 1, 256, 262144, True, 999_885_952),
     "qwen3-30b-a3b": ("Qwen3MoeConfig", 48, 4, 128, 151936, False, 30_532_122_624),
@@ -42,7 +44,7 @@ def shapes(tmp_path_factory) -> dict[str, pathlib.Path]:
     return {name: build_shape_model(name, root / name) for name in CATALOG}
 
 
-def test_catalog_is_the_six_shapes() -> None:
+def test_catalog_is_the_published_shapes() -> None:
     assert set(CATALOG) == set(PUBLISHED)
     for shape in CATALOG.values():
         assert "/" in shape.source and shape.config["torch_dtype"] == "bfloat16"
@@ -141,8 +143,8 @@ def test_num_layers_truncates_depth_only(tmp_path: pathlib.Path) -> None:
     "kwargs,match",
     [
         (dict(name="llama-8b"), r"NAME='llama-8b' is not in the shape catalog; "
-         r"use one of smollm2-135m, qwen2.5-0.5b, llama-3.1-8b, qwen2.5-7b, "
-         r"gemma-3-1b, qwen3-30b-a3b"),
+         r"use one of smollm2-135m, qwen2.5-0.5b, llama-3.1-8b, llama-3.1-70b, "
+         r"qwen2.5-72b, qwen2.5-7b, gemma-3-1b, qwen3-30b-a3b"),
         (dict(num_layers=0), r"--num-layers=0: llama-3.1-8b has 32 layers; "
          r"use 1 to 32"),
         (dict(num_layers=33), r"--num-layers=33: .* use 1 to 32"),
@@ -192,6 +194,8 @@ KV_BYTES_PER_TOKEN = {
     "smollm2-135m": 30 * 2 * 3 * 64 * 2,  # 23,040
     "qwen2.5-0.5b": 24 * 2 * 2 * 64 * 2,  # 12,288
     "llama-3.1-8b": 32 * 2 * 8 * 128 * 2,  # 131,072
+    "llama-3.1-70b": 80 * 2 * 8 * 128 * 2,  # 327,680
+    "qwen2.5-72b": 80 * 2 * 8 * 128 * 2,  # 327,680
     "qwen2.5-7b": 28 * 2 * 4 * 128 * 2,  # 57,344
     "gemma-3-1b": 26 * 2 * 1 * 256 * 2,  # 26,624
     "qwen3-30b-a3b": 48 * 2 * 4 * 128 * 2,  # 98,304
