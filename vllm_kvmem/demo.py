@@ -72,7 +72,7 @@ def format_table(runs: dict[str, dict[str, Any]], budget: int, max_len: int) -> 
         f"{'':14}| {'without --enable-pp-prop-kv-cache':^36} | "
         f"{'with --enable-pp-prop-kv-cache':^36}"
     )
-    side = ["KV MiB", "blocks", "tokens", "conc", BAR]
+    side = ["KV MiB", "blocks", "tokens", "max reqs", BAR]
     base, prop = runs["without"]["ranks"], runs["with"]["ranks"]
     rows = [
         [f"{a['rank']} ({a['layers']})", *_rank_cells(a), *_rank_cells(b)]
@@ -91,7 +91,29 @@ def format_table(runs: dict[str, dict[str, Any]], budget: int, max_len: int) -> 
         f"KV budget --kv-cache-memory-bytes {format_bytes(budget, 'MiB', digits=0)}"
         f", max_model_len {max_len:,}"
     )
-    return "\n".join([title, head, sub, rule, *body, rule, total])
+    legend = (
+        "Per rank: KV MiB allocated, KV blocks, tokens they hold, and max reqs: "
+        f"how many {max_len:,}-token requests fit at once."
+    )
+    return "\n".join(
+        [title, legend, head, sub, rule, *body, rule, total, _verdict(runs, budget)]
+    )
+
+
+def _verdict(runs: dict[str, dict[str, Any]], budget: int) -> str:
+    """What the operator should see in the pipeline table, in one sentence."""
+    used = {
+        name: sum(r["kv_bytes"] for r in run["ranks"]) for name, run in runs.items()
+    }
+    blocks = {r["num_blocks"] for r in runs["with"]["ranks"]}
+    same = f"the same {blocks.pop():,} blocks" if len(blocks) == 1 else "its blocks"
+    budget_mib = format_bytes(budget, "MiB", digits=0)
+    return (
+        f"Without the flag the budget applies to each stage on its own: the "
+        f"pipeline used {_mib(used['without'])} MiB of a {budget_mib} budget. With "
+        f"it the stages share {budget_mib} ({_mib(used['with'])} MiB used) in "
+        f"proportion to their KV bytes, each holding {same}."
+    )
 
 
 def _rank_cells(r: dict[str, Any]) -> list[str]:
@@ -232,6 +254,8 @@ def format_tier_table(runs: dict[str, dict[str, Any]]) -> str:
     same = runs["recompute"]["token_ids"] == runs["host tier"]["token_ids"]
     return "\n".join(
         [
+            "The second pass reads the same documents again: blocks the device "
+            "evicted come back from host memory instead of being recomputed.",
             head,
             "-" * 72,
             *body,
