@@ -192,6 +192,14 @@ def test_parse_size_errors_say_what_works(text: str, hint: str) -> None:
     assert "\n" not in str(e.value)
 
 
+def test_a_token_count_error_speaks_of_tokens() -> None:
+    with pytest.raises(ValueError, match="not a token count") as e:
+        units.parse_size("abc", flag="--kv-cache-tokens")
+    assert "5G" not in str(e.value) and "400k" in str(e.value)
+    with pytest.raises(ValueError, match="e.g. 400k"):
+        units.parse_positive_size("0", flag="--kv-cache-tokens")
+
+
 # ----------------------------------------------------------- layer kinds
 
 

@@ -51,6 +51,11 @@ def parse_size(value: str | int, *, flag: str = "size") -> int:
     try:
         return int(text)
     except ValueError:
+        if "token" in flag:
+            raise ValueError(
+                f"{flag}={text!r} is not a token count; use a number (400000), "
+                "decimal units (400k, 1.5m) or binary units (512K)"
+            ) from None
         raise ValueError(
             f"{flag}={text!r} is not a size; use bytes (400000), binary units "
             "(512M, 5G, 1T) or decimal units (1.5g, 400k)"
@@ -65,7 +70,8 @@ def parse_positive_size(value: str | int, *, flag: str) -> int:
     """A size that must be > 0 (budgets, device memory)."""
     n = parse_size(value, flag=flag)
     if n <= 0:
-        raise ValueError(f"{flag}={value!r}: must be positive, e.g. 5G or 400000")
+        example = "400k or 400000" if "token" in flag else "5G or 400000"
+        raise ValueError(f"{flag}={value!r}: must be positive, e.g. {example}")
     return n
 
 
