@@ -1,4 +1,4 @@
-"""KV events for host blocks, on a real engine (CPU), on vLLM 0.32 and 0.33.
+"""KV events for host blocks, on a real engine (CPU).
 
 A KV-aware router (llm-d's indexer, Dynamo's router, Ray Serve's
 ``KVAwareRouter``) learns where a prefix lives from vLLM's KV events; a block
@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import ROOT, both_vllms, host_tier_kwargs
+from tests.helpers import ROOT, host_tier_kwargs, on_vllm033
 from vllm_kvmem.demo import documents
 from vllm_kvmem.demo_engine import REPORT_PREFIX, engine_env
 
@@ -50,8 +50,10 @@ def events_run(model, python, host_kv=HOST_KV, **extra) -> dict:
     return json.loads(line[len(REPORT_PREFIX) :])
 
 
-@both_vllms
+@on_vllm033
 def test_router_predicts_every_hit_with_host_blocks(model_8l, vllm_python):
+    """On 0.33 (on 0.32: tests/test_kv_events_check.py over vLLM's ZMQ
+    publisher, and tests/test_host_tier_step_cost.py step by step)."""
     report = events_run(model_8l, vllm_python)
     requests, events = report["requests"], report["events"]
     # Host hits happened, and the router saw each of them coming.
