@@ -141,3 +141,57 @@ def test_a_record_with_an_unknown_platform_is_refused():
 
 def test_docs_are_generated_from_the_records():
     assert DOCS.read_text() == to_markdown(ALL_PATCHES) + "\n"
+
+
+def test_model_config_patch_drops_only_the_connector_the_flag_added(tmp_path):
+    """engine_args_model_config: the host tier connector that
+    ``--kv-host-cache-bytes`` added goes for a model the tier cannot serve
+    (the whole startup: tests/test_host_tier_config.py); the same connector
+    named by hand, a model the tier serves, and no kvmem flag are left as
+    vLLM has them."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from tests.helpers import captured_log, write_mla_model
+    from vllm_kvmem.host_tier_setup import (
+        CONNECTOR_NAME,
+        MODULE_PATH,
+        add_connector_config,
+    )
+    from vllm_kvmem.tiny_model import build_tiny_model
+
+    mla = write_mla_model(tmp_path / "mla")
+    served = build_tiny_model(tmp_path / "tiny", num_layers=2)
+
+    def args(model, **kw):
+        return EngineArgs(
+            model=str(model), load_format="dummy", max_model_len=1024, **kw
+        )
+
+    def connector(a):
+        return getattr(a.kv_transfer_config, "kv_connector", None)
+
+    by_flag = args(mla, kv_host_cache_bytes="64M")
+    served_by_flag = args(served, kv_host_cache_bytes="64M")
+    by_hand = args(
+        mla,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR_NAME,
+            kv_connector_module_path=MODULE_PATH,
+            kv_role="kv_both",
+        ),
+    )
+    plain = args(mla)
+    for a in (by_flag, served_by_flag):
+        add_connector_config(a)
+        assert connector(a) == CONNECTOR_NAME
+    with captured_log("vllm.kvmem") as records:
+        for a in (by_flag, served_by_flag, by_hand, plain):
+            a.create_model_config()
+    off = [r.getMessage() for r in records if "Host KV tier off" in r.getMessage()]
+    assert off == [
+        "Host KV tier off: the model uses MLA; serving continues without it."
+    ]
+    assert connector(by_flag) is None
+    assert connector(served_by_flag) == connector(by_hand) == CONNECTOR_NAME
+    assert plain.kv_transfer_config is None

@@ -3,8 +3,8 @@ what the tier settles before it runs. The flag turned into vLLM's connector
 config (API server), the host memory check, the tier's size (engine core and
 every worker, on the same configs) and whether a model can use it.
 
-Here rather than in ``host_tier/``, which imports only vLLM and itself (it is
-the in-tree series' connector): this module reads the plugin's flags
+Here rather than in ``host_tier/``, which imports only vLLM and itself (a KV
+connector vLLM loads by module path): this module reads the plugin's flags
 (:class:`KVMemConfig`) and its pipeline figures (``vllm_adapter``)."""
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ logger = init_logger("vllm.kvmem.host_tier")
 
 CONNECTOR_NAME = "KVMemHostTierConnector"
 MODULE_PATH = "vllm_kvmem.host_tier.connector"
-#: The name vLLM's tree gives the connector (the in-tree series): registered
-#: on unmodified vLLM too, so one ``kv_transfer_config`` works with either.
-INTREE_NAME = "HostTierConnector"
+#: A short name for the connector in vLLM's connector factory, for a
+#: ``kv_transfer_config`` written by hand (docs/host-kv-tier.md,
+#: ``benchmarks/tier_step_bench.py``) rather than by ``--kv-host-cache-bytes``.
+SHORT_NAME = "HostTierConnector"
 SIZE_FLAG = KVMemConfig.flag("kv_host_cache_bytes")
 
 
@@ -39,7 +40,8 @@ def add_connector_config(engine_args: Any) -> None:
     changes ``engine_args``).
 
     Fails at startup, before any worker starts, on a size the host cannot hold
-    or a conflicting connector.
+    or a conflicting connector; a model the tier cannot serve drops the
+    connector again once vLLM knows it (:func:`refuse_unservable_model`).
     """
     from vllm.config import KVTransferConfig
 
@@ -87,20 +89,19 @@ def add_connector_config(engine_args: Any) -> None:
         # served and never fatal to the request.
         kv_load_failure_policy="recompute",
     )
-    _refuse_unservable_model(engine_args)
 
 
 def register_connector_name() -> None:
-    """Register :data:`INTREE_NAME` with vLLM's connector factory (its
-    extension point for out-of-tree connectors), unless vLLM has it."""
+    """Register :data:`SHORT_NAME` with vLLM's connector factory (its
+    extension point for out-of-tree connectors), unless the name is taken."""
     from vllm.distributed.kv_transfer.kv_connector.factory import (
         KVConnectorFactory,
     )
 
     try:
-        KVConnectorFactory.register_connector(INTREE_NAME, MODULE_PATH, CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(SHORT_NAME, MODULE_PATH, CONNECTOR_NAME)
     except ValueError:
-        pass  # vLLM's own (the in-tree series), or registered already
+        pass  # registered already (the plugin loads again), or a vLLM connector
 
 
 def installed(vllm_config: Any) -> bool:
@@ -110,28 +111,23 @@ def installed(vllm_config: Any) -> bool:
     return getattr(kv_config, "kv_connector", None) == CONNECTOR_NAME
 
 
-def _refuse_unservable_model(engine_args: Any) -> None:
-    """Drop the connector for a model the tier cannot serve, once vLLM has
-    built the model's config and before it builds the VllmConfig.
+def refuse_unservable_model(engine_args: Any, model_config: Any) -> None:
+    """Drop the connector :func:`add_connector_config` added for a model the
+    tier cannot serve (changes ``engine_args``); vLLM has just built the
+    model's config and has not yet built the VllmConfig (patch
+    ``engine_args_model_config``).
 
     The VllmConfig picks the KV cache manager from the configured connector
     (``SupportsHMA``), so the decision must come first: refused here, the
-    model runs exactly as without the flag (one log line says why). vLLM
-    builds the ModelConfig inside ``create_engine_config``; this wraps that
-    one call on this ``EngineArgs`` (the wrapper removes itself)."""
-    build = engine_args.create_model_config
-
-    def create_model_config() -> Any:
-        vars(engine_args).pop("create_model_config", None)
-        model_config = build()
-        if reason := unsupported_model_reason(model_config):
-            logger.warning(
-                "Host KV tier off: %s; serving continues without it.", reason
-            )
-            engine_args.kv_transfer_config = None
-        return model_config
-
-    engine_args.create_model_config = create_model_config
+    model runs exactly as without the flag (one log line says why). A
+    connector named by hand in ``--kv-transfer-config`` is left as given."""
+    if not installed(engine_args):
+        return
+    if KVMemConfig.from_vllm_config(engine_args).kv_host_cache_bytes is None:
+        return
+    if reason := unsupported_model_reason(model_config):
+        logger.warning("Host KV tier off: %s; serving continues without it.", reason)
+        engine_args.kv_transfer_config = None
 
 
 def _check_executor(engine_args: Any, size: int) -> None:

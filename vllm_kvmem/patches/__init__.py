@@ -21,6 +21,9 @@ from vllm_kvmem.patches.engine_args_config import PATCH as ENGINE_ARGS_CONFIG
 from vllm_kvmem.patches.engine_args_from_cli import PATCH as ENGINE_ARGS_FROM_CLI
 from vllm_kvmem.patches.engine_args_init import ASYNC_PATCH as ASYNC_ENGINE_ARGS_INIT
 from vllm_kvmem.patches.engine_args_init import PATCH as ENGINE_ARGS_INIT
+from vllm_kvmem.patches.engine_args_model_config import (
+    PATCH as ENGINE_ARGS_MODEL_CONFIG,
+)
 from vllm_kvmem.patches.executor_device_limits import PATCH as EXECUTOR_DEVICE_LIMITS
 from vllm_kvmem.patches.executor_kv_cache_init import PATCH as EXECUTOR_KV_CACHE_INIT
 from vllm_kvmem.patches.gpu_worker_memory import PATCH as GPU_WORKER_MEMORY
@@ -35,6 +38,7 @@ ALL_PATCHES: tuple[Patch, ...] = (
     ENGINE_ARGS_INIT,
     ASYNC_ENGINE_ARGS_INIT,
     ENGINE_ARGS_CONFIG,
+    ENGINE_ARGS_MODEL_CONFIG,
     KV_CACHE_CONFIGS,
     KV_CACHE_BUILDER,
     GPU_WORKER_MEMORY,

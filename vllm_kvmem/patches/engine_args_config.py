@@ -46,7 +46,8 @@ PATCH = Patch(
     "config (on CPU, `VLLM_CPU_KVCACHE_SPACE` sets `kv_cache_memory_bytes` "
     "while the VllmConfig is built).",
     how="Wraps the method: first turns `--kv-host-cache-bytes` into vLLM's own "
-    "`kv_transfer_config` (the host tier connector) after checking host memory, "
+    "`kv_transfer_config` (the host tier connector) after checking host memory "
+    "(`engine_args_model_config` drops it for a model the tier cannot serve), "
     "then builds the VllmConfig as vLLM does, validates the options (under the "
     "plugin also storing `additional_config['kvmem']` normalised), runs the "
     "cross-flag checks of the token budget and of `--enable-pp-prop-kv-cache`, "
