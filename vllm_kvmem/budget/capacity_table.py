@@ -45,11 +45,12 @@ def log_startup_report(
 ) -> None:
     """Log the table for the configs vLLM built from ``plan``; its title says
     which budget sized the cache, and a split plan adds each rank's share."""
+    title = plan.title or _vllm_sized_title(vllm_config)
     rows = report_rows(vllm_config, configs)
     extra: dict[str, list[str]] = {}
     trailer: list[str] = []
     if plan.mode == "split" and plan.memory is not None:
-        extra, trailer = comparison_columns(vllm_config, configs, plan.memory)
+        extra, trailer = comparison_columns(vllm_config, configs, plan)
     max_len = vllm_config.model_config.max_model_len
     headers = ["rank", "stage", "layers", "KV GiB", "blocks", "tokens", "conc"]
     widths = [4, 5, 6, 8, 9, 11, 8]
@@ -76,7 +77,6 @@ def log_startup_report(
         sep=" ",
         indent="  ",
     )
-    title = plan.title or _vllm_sized_title(vllm_config)
     head = f"KV cache per rank ({title}; max_model_len {max_len:,}):"
     logger.info("\n".join([head, *table, *trailer]))
 
@@ -89,14 +89,16 @@ def _vllm_sized_title(vllm_config: Any) -> str:
 
 
 def comparison_columns(
-    vllm_config: Any, configs: Sequence[Any], shares: Sequence[int]
+    vllm_config: Any, configs: Sequence[Any], plan: BudgetPlan
 ) -> tuple[dict[str, list[str]], list[str]]:
-    """Startup-report columns: each rank's share, and what the same budget gives
-    without the flag (every rank handed the whole budget, then cut by vLLM to
-    the smallest block count, PR #25164)."""
+    """Startup-report columns of a split ``plan``: each rank's share, and what
+    the same budget gives without the flag (every rank handed the whole
+    budget, then cut by vLLM to the smallest block count, PR #25164). Bytes
+    per block are the plan's: the configs were built from them."""
     budget = int(vllm_config.cache_config.kv_cache_memory_bytes)
     groups = [c.kv_cache_groups for c in configs]
-    bpb = [va.bytes_per_block(vllm_config, g) for g in groups]
+    bpb = plan.bytes_per_block or []
+    shares = plan.memory or []
     base_blocks = kv_arith.uniform_blocks(budget, bpb)
     cols: dict[str, list[str]] = {
         "share GiB": [],

@@ -93,7 +93,7 @@ def plan_kv_budget(
         if blocks is None:
             return BudgetPlan(title)
     memory = [blocks * b for b in kv.bytes_per_block]
-    return BudgetPlan(title, mode, blocks, memory)
+    return BudgetPlan(title, mode, blocks, memory, kv.bytes_per_block)
 
 
 def _check_token_blocks(

@@ -81,6 +81,9 @@ class BudgetPlan:
     memory: list[int] | None = None
     """Per-rank bytes for vLLM's planner (``blocks`` of each rank's groups);
     with the split, each rank's share of the pipeline-wide budget."""
+    bytes_per_block: list[int] | None = None
+    """Device bytes one block takes on each rank, as the plan read them from
+    vLLM (0 without KV cache layers); None where vLLM sizes the cache."""
 
     def bytes_for_vllm(self, limits: list[int]) -> list[int]:
         """What vLLM's planner plans each rank from: the planned bytes, or
