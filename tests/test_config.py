@@ -240,3 +240,51 @@ def test_bad_values_are_refused_with_our_messages(model_8l, vllm_python):
         assert expected in got[name], (name, got[name])
     if vllm_python != sys.executable:
         assert got == run_probe(code, timeout=300), "0.33 says otherwise than 0.32"
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (
+            ["--kv-host-cache-policy", "mru"],
+            "error: argument --kv-host-cache-policy: invalid choice: 'mru' "
+            "(choose from 'lru', 'fifo')",
+        ),
+        (
+            ["--kv-host-cache-late-spill", "later"],
+            "error: argument --kv-host-cache-late-spill: invalid choice: 'later' "
+            "(choose from 'copy', 'drop')",
+        ),
+        (
+            ["--kv-host-cache-bytes", "10 GB"],
+            "error: argument --kv-host-cache-bytes: invalid value '10 GB': use a "
+            "positive size such as 8G, 512M, 1.5g",
+        ),
+        (
+            ["--kv-cache-tokens", "abc"],
+            "error: argument --kv-cache-tokens: invalid value 'abc': use a "
+            "positive token count such as 400000, 400k, 1.5m",
+        ),
+    ],
+)
+def test_bad_flags_are_refused_as_they_are_parsed(argv, line, capsys):
+    """A server's bad flag ends in vLLM's one-line argparse error, before
+    anything starts: the flag, the value, what would work."""
+    with pytest.raises(SystemExit) as e:
+        engine_args_from_cli("--model", "m", *argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(line) and "Traceback" not in err
+
+
+def test_good_flags_parse_to_values():
+    args = engine_args_from_cli(
+        "--model", "m", "--kv-host-cache-bytes", "8G", "--kv-cache-tokens", "400k",
+        "--kv-host-cache-policy", "fifo", "--kv-host-cache-verify",
+    )  # fmt: skip
+    assert args.additional_config["kvmem"] == {
+        "kv_host_cache_bytes": 8 << 30,
+        "kv_cache_tokens": 400_000,
+        "kv_host_cache_policy": "fifo",
+        "kv_host_cache_verify": True,
+    }

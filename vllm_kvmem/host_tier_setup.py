@@ -266,10 +266,19 @@ def _check_host_memory(engine_args: Any, size: int) -> None:
         raise ValueError(
             f"{SIZE_FLAG} {size:,} bytes does not fit this node: every "
             f"tensor-parallel rank of every local data-parallel rank holds its own "
-            f"pool, pinned on CUDA so it cannot be swapped ({how}). Use "
+            f"pool{_pool_memory()} ({how}). Use "
             f"{SIZE_FLAG} {(limit // here.pools) // MiB}M or less."
         )
     logger.info("Host KV tier memory check: %s.", how)
+
+
+def _pool_memory() -> str:
+    """How this platform's pools hold their memory, for the refusal."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return ", pinned so that it cannot be swapped"
+    return f", in {current_platform.device_type.upper()} host memory"
 
 
 # ------------------------------------------------------------ sizing
