@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from vllm_kvmem.demo import documents
+from vllm_kvmem.demo_engine import REPORT_PREFIX, run_subprocess
 from vllm_kvmem.demo_engine import engine_env as demo_engine_env
-from vllm_kvmem.demo_engine import run_subprocess
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Engine tests run on two vLLM releases: 0.32 is this interpreter's
@@ -223,6 +223,50 @@ def host_tier_kwargs(model: Path, host: bool, **extra: Any) -> dict[str, Any]:
     if host:
         kw["kv_host_cache_bytes"] = HOST_KV
     return kw
+
+
+# -- the host tier's KV events (tests/host_tier_events_engine.py) ------------
+
+EVENTS_SCRIPT = ROOT / "tests" / "host_tier_events_engine.py"
+# 40 host blocks for 96 blocks of documents: the host's own policy evicts too.
+EVENTS_HOST_KV = 40 << 20
+#: The device's KV budget options (``events_run``'s ``extra``).
+EVENTS_BUDGETS = ("kv_cache_memory_bytes", "kv_cache_tokens")
+
+
+def events_run(model, python, host_kv=EVENTS_HOST_KV, env=None, **extra) -> dict:
+    """``tests/host_tier_events_engine.py``'s report (an engine with the host
+    tier and vLLM's KV events, replayed into a router's index) for its
+    workload: 12 documents, then again in reverse (the most recent on the
+    device, the next on the host, the oldest dropped by the host's LRU), a
+    prefix-cache reset, three documents again.
+
+    ``host_kv=None``: without the tier; ``extra``: more ``LLM`` arguments
+    (a budget in them, bytes or tokens, replaces the device's 24 MiB);
+    ``env``: more environment variables. The engine's output is the
+    report's ``log``."""
+    docs = documents(12)
+    budget = {k: extra.pop(k) for k in EVENTS_BUDGETS if k in extra}
+    extra = {"enforce_eager": True, **extra}
+    kwargs = host_tier_kwargs(model, host_kv is not None, **extra)
+    if budget:
+        del kwargs["kv_cache_memory_bytes"]
+        kwargs.update(budget)
+    if host_kv is not None:
+        kwargs["kv_host_cache_bytes"] = host_kv
+    workload = {"rounds": [docs, docs[::-1], "reset", docs[:3]]}
+    done = subprocess.run(
+        [python, str(EVENTS_SCRIPT), json.dumps(kwargs), json.dumps(workload)],
+        cwd=ROOT,
+        env=engine_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith(REPORT_PREFIX)]
+    return {**json.loads(line[len(REPORT_PREFIX) :]), "log": log}
 
 
 # -- the planner against the engine -----------------------------------------

@@ -17,6 +17,11 @@ indexer and Dynamo's router key theirs. It checks, and prints as one
   same tokens and parent), and no block stored twice on a tier without a
   removal between.
 
+Beside them, each worker's own facts (``LLM.collective_rpc``; callables are
+allowed by ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, the demo's engine
+environment): its KV cache (``vllm_kvmem.demo_engine.rank_kv_report``), its
+tensor-parallel rank, and its host pool with the blocks it copied.
+
 Run by tests/test_host_tier_events.py with either release's Python.
 """
 
@@ -93,6 +98,62 @@ class RouterIndex:
         return device, host - device
 
 
+def count_copies(worker: Any) -> bool:
+    """In a worker: count the blocks its host tier copies from now on (its
+    copy engine's saves and loads); False where it holds no host pool."""
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if not has_kv_transfer_group():
+        return False
+    engine = getattr(get_kv_transfer_group().connector_worker, "_engine", None)
+    if engine is None:
+        return False
+    counts = {"saved": 0, "loaded": 0}
+    save, load = engine.save, engine.load
+
+    def counted_save(blocks, slots, after=()):
+        counts["saved"] += len(blocks)
+        return save(blocks, slots, after)
+
+    def counted_load(slots, blocks, after=()):
+        counts["loaded"] += len(blocks)
+        return load(slots, blocks, after)
+
+    engine.save, engine.load = counted_save, counted_load
+    engine.kvmem_test_counts = counts
+    return True
+
+
+def rank_facts(worker: Any) -> dict[str, Any]:
+    """In a worker: its KV cache, its TP rank, its host pool and copies."""
+    from vllm.distributed import get_tp_group
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    from vllm_kvmem.demo_engine import rank_kv_report
+
+    facts = rank_kv_report(worker)
+    facts["tp_rank"] = get_tp_group().rank_in_group
+    tier = get_kv_transfer_group().connector_worker if has_kv_transfer_group() else None
+    engine = getattr(tier, "_engine", None)
+    facts["host_pool"] = (
+        None
+        if engine is None
+        else {
+            "num_slots": tier.num_slots,
+            "slot_bytes": engine.pool.slot_bytes,
+            "nbytes": engine.pool.nbytes,
+            **getattr(engine, "kvmem_test_counts", {}),
+        }
+    )
+    return facts
+
+
 def main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
     from vllm.plugins import load_general_plugins
@@ -133,6 +194,7 @@ def main(argv: list[str]) -> int:
         publish(batch)
 
     sched.kv_event_publisher.publish = replay
+    llm.collective_rpc(count_copies)
     block_size = sched.block_size
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(max_tokens=workload.get("max_tokens", 2), temperature=0)
@@ -170,6 +232,8 @@ def main(argv: list[str]) -> int:
         "steps": steps,
         "without_tokens": tier.events.without_tokens if tier is not None else 0,
         "block_size": block_size,
+        "ranks": sorted(llm.collective_rpc(rank_facts), key=lambda r: r["rank"]),
+        "host_slots": tier.num_slots if tier is not None else 0,
     }
     print(REPORT_PREFIX + json.dumps(report), flush=True)
     return 0

@@ -6,48 +6,17 @@ in host memory is ``medium="CPU"``. ``tests/host_tier_events_engine.py``
 replays every batch vLLM publishes into a router's index, keyed by token
 content, and predicts each request's cached tokens before sending it. With
 the tier's events the prediction is exact, host hits included; without
-them every host hit would be a miss to the router.
+them every host hit would be a miss to the router. (``events_run`` in
+tests/helpers.py: tests/test_tp2_engine.py runs the same script at TP=2.)
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 
-from tests.helpers import ROOT, host_tier_kwargs, on_vllm033
-from vllm_kvmem.demo import documents
-from vllm_kvmem.demo_engine import REPORT_PREFIX, engine_env
+from tests.helpers import events_run, on_vllm033
 
 pytestmark = [pytest.mark.engine]
-
-SCRIPT = ROOT / "tests" / "host_tier_events_engine.py"
-# 40 host blocks for 96 blocks of documents: the host's own policy evicts too.
-HOST_KV = 40 << 20
-
-
-def events_run(model, python, host_kv=HOST_KV, **extra) -> dict:
-    """The script's report for the workload: 12 documents, then again in
-    reverse (the most recent on the device, the next on the host, the
-    oldest dropped by the host's LRU), a prefix-cache reset, three documents
-    again."""
-    docs = documents(12)
-    kwargs = host_tier_kwargs(model, True, enforce_eager=True, **extra)
-    kwargs["kv_host_cache_bytes"] = host_kv
-    workload = {"rounds": [docs, docs[::-1], "reset", docs[:3]]}
-    done = subprocess.run(
-        [python, str(SCRIPT), json.dumps(kwargs), json.dumps(workload)],
-        cwd=ROOT,
-        env=engine_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-4000:]
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith(REPORT_PREFIX)]
-    return json.loads(line[len(REPORT_PREFIX) :])
 
 
 @on_vllm033
