@@ -19,6 +19,11 @@ from _report import machine_label, model_label, print_rows, save_figure, set_tit
 DEVICE_CONFIG = "device"
 TARGET_GAP_RATIO = 3.0
 TARGET_B_LATENCY_S = 0.100
+#: The restated goal (issue 45): a host hit costs the stream and B at most
+#: this much more than a device prefix hit of the same prefix in the same run.
+#: B's first step attends over its whole context whether the prefix is on the
+#: device or in host memory, so the device hit is the ceiling to approach.
+TARGET_VS_DEVICE = 1.25
 
 
 # -- analysis (pure) --------------------------------------------------------------
@@ -108,7 +113,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def evaluate_targets(
     agg: dict[str, dict[str, Any]], full_prefix_tokens: int
 ) -> list[dict[str, Any]]:
-    """The issue's targets, on the tier config's medians over repeats."""
+    """The issue's targets, on the tier config's medians over repeats: A's
+    worst gap and B's latency against a device prefix hit's where the run has
+    the device arm (``TARGET_VS_DEVICE``), else the absolute ones."""
     tier = agg.get("tier")
     if not tier or tier["gap_ratio"] is None:
         return []
@@ -137,18 +144,28 @@ def evaluate_targets(
     ]
     floor = agg.get(DEVICE_CONFIG)
     if floor and floor["gap_ratio"] is not None:
-        targets.append(
-            {
-                "name": "tier: A's worst gap within 1.2x of a device prefix hit's "
-                "(the floor: B's first step with no copy at all)",
-                "value": worst["median"] / floor["a_worst_gap_s"]["median"],
-                "threshold": 1.2,
-                "passed": worst["median"] <= 1.2 * floor["a_worst_gap_s"]["median"],
-                "detail": f"worst gap {_ms(worst['median'])} ms against "
-                f"{_ms(floor['a_worst_gap_s']['median'])} ms for a device hit "
-                f"({floor['gap_ratio']['median']:.1f}x its median gap)",
-            }
-        )
+        # With a device-hit arm in the run, the restated goals replace the
+        # absolute ones (the worst gap over A's median, B under 100 ms).
+        targets = []
+        for key, what in (
+            ("a_worst_gap_s", "A's worst gap"),
+            ("b_latency_s", "B latency"),
+        ):
+            mine, dev = tier[key]["median"], floor[key]["median"]
+            targets.append(
+                {
+                    "name": f"tier: {what} <= {TARGET_VS_DEVICE:g}x a device "
+                    "prefix hit's (same prefix, same run)",
+                    "value": mine / dev,
+                    "threshold": TARGET_VS_DEVICE,
+                    "passed": mine <= TARGET_VS_DEVICE * dev,
+                    "detail": f"{_ms(mine)} ms against {_ms(dev)} ms for a device "
+                    f"hit: {mine / dev:.2f}x (tier {_ms(tier[key]['min'])}-"
+                    f"{_ms(tier[key]['max'])} ms over {tier['runs']} runs, device "
+                    f"{_ms(floor[key]['min'])}-{_ms(floor[key]['max'])} ms over "
+                    f"{floor['runs']})",
+                }
+            )
     if cached is not None:
         targets.append(
             {

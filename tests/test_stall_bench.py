@@ -101,6 +101,18 @@ def test_summary_aggregate_and_targets(bench):
     assert not bench.evaluate_targets(agg, 2048)[2]["passed"]
     assert bench.evaluate_targets({"none": agg["none"]}, 2048) == []
 
+    # With a device-hit arm, the goals are relative to it (issue 45): the
+    # tier's worst gap (median 10 ms) and B latency (median 30 ms) against
+    # the device hit's.
+    device = _result([10] * 21, 0.55, 0.57, 2048)
+    agg = bench.aggregate(
+        runs + [{"config": "device", "summary": bench.summarize_run(device)}]
+    )
+    targets = bench.evaluate_targets(agg, 2048)
+    assert [t["threshold"] for t in targets[:2]] == [1.25, 1.25]
+    assert [t["passed"] for t in targets] == [True, False, True]
+    assert targets[1]["value"] == pytest.approx(0.030 / 0.020)
+
 
 def test_tier_budget_variants(bench, tmp_path):
     import argparse
