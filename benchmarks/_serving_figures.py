@@ -23,6 +23,11 @@ from _report import (
 )
 
 CONFIGS = ("none", "tier")
+#: Every configuration a run may have: ``noop`` (a connector that moves
+#: nothing) and ``device`` (a device cache big enough for the reuse) say
+#: which part of a tier/none difference is vLLM's connector plumbing or
+#: prefix caching itself, and which is the tier's.
+KNOWN_CONFIGS = ("none", "tier", "noop", "device")
 TARGET_ZERO_REUSE_RATIO = 0.98  # throughput tier/none at 0% reuse
 TARGET_REUSE_RATIO = 1.0  # throughput tier/none at every reuse level > 0
 TARGET_P99_ITL_RATIO = 1.2  # p99 ITL tier/none, every level
@@ -95,12 +100,18 @@ def run_ok(run: dict[str, Any]) -> bool:
 
 
 def summarize_level(runs: list[dict[str, Any]], level: str) -> dict[str, Any]:
-    """Median and spread per config, and tier/none ratios paired by repeat."""
+    """Median and spread per config, and tier/none ratios paired by repeat
+    (``ratios``; ``ratios_vs_none``: every other configuration's)."""
     mine = [r for r in runs if r["level"] == level and run_ok(r)]
     by: dict[str, dict[int, dict[str, Any]]] = {c: {} for c in CONFIGS}
     for r in mine:
         by.setdefault(r["config"], {})[r["repeat"]] = r["summary"]
-    out: dict[str, Any] = {"level": level, "configs": {}, "ratios": {}}
+    out: dict[str, Any] = {
+        "level": level,
+        "configs": {},
+        "ratios": {},
+        "ratios_vs_none": {},
+    }
     for config, reps in by.items():
         if not reps:
             continue
@@ -109,15 +120,25 @@ def summarize_level(runs: list[dict[str, Any]], level: str) -> dict[str, Any]:
             [reps[k].get("host_hit_tokens") for k in sorted(reps)]
         )
         out["configs"][config] = s
-    paired = sorted(set(by.get("none", {})) & set(by.get("tier", {})))
-    for f in FIGURES:
-        ratios = []
-        for k in paired:
-            a, b = by["none"][k][f], by["tier"][k][f]
-            if a and b is not None:
-                ratios.append(b / a)
-        out["ratios"][f] = spread(ratios)
-    out["paired_repeats"] = len(paired)
+    for config in by:
+        if config == "none":
+            continue
+        paired = sorted(set(by.get("none", {})) & set(by[config]))
+        ratios: dict[str, Any] = {}
+        for f in FIGURES:
+            vals = []
+            for k in paired:
+                a, b = by["none"][k][f], by[config][k][f]
+                if a and b is not None:
+                    vals.append(b / a)
+            ratios[f] = spread(vals)
+        out["ratios_vs_none"][config] = ratios
+        if config == "tier":
+            out["ratios"] = ratios
+            out["paired_repeats"] = len(paired)
+    if not out["ratios"]:
+        out["ratios"] = {f: spread([]) for f in FIGURES}
+        out["paired_repeats"] = 0
     return out
 
 
@@ -169,15 +190,17 @@ def correctness(runs: list[dict[str, Any]], tokenize: Any = None) -> dict[str, A
             for r in runs
             if r["level"] == level and run_ok(r) and r.get("texts") is not None
         }
-        res: dict[str, Any] = {"tier_vs_none": [], "none_vs_none": []}
+        keys = ["tier_vs_none", "none_vs_none"]
+        keys += [f"{c}_vs_none" for c, _ in texts if c not in ("none", "tier")]
+        res: dict[str, Any] = {k: [] for k in dict.fromkeys(keys)}
         for (config, rep), t in sorted(texts.items()):
-            if config == "tier" and ("none", rep) in texts:
+            if config != "none" and ("none", rep) in texts:
                 c = compare_texts(texts[("none", rep)], t, tokenize)
-                res["tier_vs_none"].append({"repeat": rep, **c})
+                res[f"{config}_vs_none"].append({"repeat": rep, **c})
             if config == "none" and rep > 0 and ("none", 0) in texts:
                 c = compare_texts(texts[("none", 0)], t, tokenize)
                 res["none_vs_none"].append({"repeat": rep, **c})
-        for key in ("tier_vs_none", "none_vs_none"):
+        for key in list(res):
             cmp = res[key]
             res[f"{key}_matching"] = sum(c["matching"] for c in cmp)
             res[f"{key}_compared"] = sum(c["compared"] for c in cmp)
@@ -219,20 +242,17 @@ def print_table(levels: list[dict[str, Any]], reuse_of: dict[str, float]) -> Non
     rows = []
     for lv in levels:
         label = f"{lv['level']} ({reuse_of[lv['level']]:.0%})"
-        for config in CONFIGS:
-            s = lv["configs"].get(config)
-            if s is not None:
-                cells = [_cell(s[f], nd) for f, _, nd in TABLE_COLS]
-                hits = _fmt(s["host_hit_tokens"]["median"], 0)
-                rows.append((label, config, *cells, hits))
-        cells = [_cell(lv["ratios"][f], 3) for f, _, _ in TABLE_COLS]
-        rows.append((label, "ratio", *cells, ""))
+        for config, s in lv["configs"].items():
+            cells = [_cell(s[f], nd) for f, _, nd in TABLE_COLS]
+            hits = _fmt(s["host_hit_tokens"]["median"], 0)
+            rows.append((label, config, *cells, hits))
+        for config, ratios in lv.get("ratios_vs_none", {"tier": lv["ratios"]}).items():
+            cells = [_cell(ratios[f], 3) for f, _, _ in TABLE_COLS]
+            rows.append((label, f"{config}/none", *cells, ""))
     print_rows(
         ["level", "config", *(title for _, title, _ in TABLE_COLS), "host hit tok"],
         rows,
-        notes=[
-            "median [min-max] over repeats; ratio rows: tier/none paired per repeat"
-        ],
+        notes=["median [min-max] over repeats; ratio rows: X/none paired per repeat"],
         left=2,
     )
 
@@ -242,10 +262,9 @@ def print_correctness(corr: dict[str, Any]) -> None:
     print("greedy outputs per prompt (matching / compared):")
     for level, c in corr.items():
         line = f"  {level:<8}"
-        for key, label in (
-            ("tier_vs_none", "tier vs none"),
-            ("none_vs_none", "none vs none"),
-        ):
+        keys = [k[: -len("_matching")] for k in c if k.endswith("_matching")]
+        for key in keys:
+            label = key.replace("_vs_", " vs ")
             first = c[f"{key}_first_diverging_token_min"]
             extra = f", first diverging token >= {first}" if first is not None else ""
             line += f"  {label}: {c[f'{key}_matching']}/{c[f'{key}_compared']}{extra}"

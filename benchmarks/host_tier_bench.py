@@ -29,6 +29,9 @@ machine hits them alike:
   prefix (all but the last partial block) matches a stored prompt, loads it
   back token by token. Revisits here hit it, because a short question falls in
   the last partial block.
+* ``device``: no connector and a device KV cache that holds every document,
+  so a revisit is a device prefix hit: the ceiling a host hit can approach
+  (run at reuse levels above 0 only).
 
 The vllm-kvmem plugin is loaded in every run (it is a no-op without the
 option). Each run starts vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -66,7 +69,7 @@ new engine. ``--no-fork`` spawns a fresh interpreter per run instead.
 Usage::
 
     python benchmarks/host_tier_bench.py [--quick] [--reuse 0,0.25,0.5,0.75,1]
-        [--configs none,host,example] [--docs N] [--requests N]
+        [--configs none,host,example,device] [--docs N] [--requests N]
         [--out benchmarks/results/host_tier_cpu.json]
 
 Prints a table and PASS/FAIL lines for the issue's targets; writes JSON and a
@@ -338,7 +341,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--configs",
         type=_configs,
         default=list(CONFIGS),
-        help="comma-separated subset of none,host,example (default: all)",
+        help="comma-separated subset of none,host,example,device (default: all)",
     )
     parser.add_argument(
         "--reuse",
@@ -505,6 +508,8 @@ def llm_kwargs(
     if config == "host":
         kw["kv_host_cache_bytes"] = sizes["host_kv_bytes"]
         kw["kv_host_cache_policy"] = "lru"
+    elif config == "device":  # the whole working set fits: revisits hit it
+        kw["kv_cache_memory_bytes"] = sizes["host_kv_bytes"]
     elif config == "example":
         kw["kv_transfer_config"] = {
             "kv_connector": "ExampleConnector",
@@ -532,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         repeats = args.zero_repeats if reuse == 0 else args.repeats
         for rep in range(repeats):
             for config in args.configs:
+                if config == "device" and reuse == 0:
+                    continue  # a bigger device cache says nothing without reuse
                 plan.append((reuse, rep, config))
 
     runs: list[dict[str, Any]] = []

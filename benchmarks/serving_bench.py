@@ -16,6 +16,14 @@ random-weight float32 Llama built by ``vllm_kvmem.tiny_model`` (hidden 256,
 * ``tier``: ``--kv-host-cache-bytes 256M`` (the vllm-kvmem plugin's flag,
   loaded by vLLM through its entry point), LRU.
 
+and, with ``--configs``, two that say where a tier/none difference comes from:
+
+* ``noop``: a KV connector that moves nothing (``tests/contiguous_example.py``):
+  vLLM's own per-step connector plumbing, with none of the tier's work;
+* ``device``: no connector and a device KV cache of ``--host-cache-bytes``:
+  reuse hits the device, so what a prefix hit does to the batch (hits and
+  misses no longer prefill in lockstep) is seen without any copy.
+
 Workload: vLLM's ``prefix_repetition`` dataset, ``--num-prompts`` prompts of a
 ``--prefix-len``-token shared prefix plus a ``--suffix-len``-token random
 suffix, shuffled, ``--output-len`` tokens out (``--ignore-eos``, temperature
@@ -133,7 +141,7 @@ from _report import (  # noqa: E402
 )
 from _server import ApiServer, http, metric_delta, parse_metrics  # noqa: E402, F401
 from _serving_figures import (  # noqa: E402
-    CONFIGS,
+    KNOWN_CONFIGS,
     correctness,
     evaluate_targets,
     plot_report,
@@ -236,20 +244,42 @@ def server_env(threads: int) -> dict[str, str]:
     return env
 
 
+#: A connector that moves nothing (``tests/contiguous_example.py``, asking for
+#: no layout): what vLLM's connector plumbing alone costs a step.
+NOOP_TRANSFER_CONFIG = {
+    "kv_connector": "ContiguousLayoutExampleConnector",
+    "kv_connector_module_path": "tests.contiguous_example",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"kv_cache_layout": None},
+}
+
+
 def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]:
     engine = ["--dtype", "float32"]
     if getattr(args, "shape", None):  # a published shape: weights made in memory
         engine = ["--dtype", args.dtype, "--load-format", "dummy"]
     cmd = [
         "--model", str(model), *engine, "--enforce-eager",
-        "--kv-cache-memory-bytes", args.kv_cache_bytes,
+        "--kv-cache-memory-bytes",
+        args.host_cache_bytes if config == "device" else args.kv_cache_bytes,
         "--block-size", str(args.block_size),
         "--max-model-len", str(args.max_model_len),
         "--seed", "0",
     ]  # fmt: skip
     if config == "tier":
         cmd += ["--kv-host-cache-bytes", args.host_cache_bytes]
+    elif config == "noop":
+        cmd += ["--kv-transfer-config", json.dumps(NOOP_TRANSFER_CONFIG)]
     return cmd
+
+
+def config_env(config: str, env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: the no-op connector's module is in this
+    checkout's tests/, so that server has the checkout on its path."""
+    if config != "noop":
+        return env
+    path = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}
 
 
 class Server(ApiServer):
@@ -486,14 +516,15 @@ def dry_run(args: argparse.Namespace, model: Path) -> dict[str, Any]:
         }
     return {
         "servers": {
-            c: shlex.join([*SERVER_CMD, *server_args(c, model, args)]) for c in CONFIGS
+            c: shlex.join([*SERVER_CMD, *server_args(c, model, args)])
+            for c in args.configs
         },
         "levels": levels,
         "order": [
             f"{lv.name}#{rep}:{c}"
             for lv in args.level_list
             for rep in range(args.repeats)
-            for c in CONFIGS
+            for c in args.configs
         ],
     }
 
@@ -540,6 +571,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--configs",
+        default="none,tier",
+        help=f"comma-separated, interleaved per repeat, of {','.join(KNOWN_CONFIGS)} "
+        "(default %(default)s); noop: a connector that moves nothing (vLLM's "
+        "connector plumbing alone); device: no connector and a device KV cache "
+        "of --host-cache-bytes (reuse hits the device: what prefix caching "
+        "itself does to the batch)",
+    )
     parser.add_argument("--kv-cache-bytes", default="16M")
     parser.add_argument("--host-cache-bytes", default="256M")
     parser.add_argument(
@@ -576,6 +616,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         parser.error(f"unknown level(s) {bad}; known: {','.join(LEVELS)}")
     args.level_list = [LEVELS[n.strip()] for n in names]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = [c for c in args.configs if c not in KNOWN_CONFIGS]
+    if bad or "none" not in args.configs or len(set(args.configs)) < len(args.configs):
+        parser.error(
+            f"--configs {','.join(args.configs)}: use distinct names of "
+            f"{','.join(KNOWN_CONFIGS)}, none included (the ratios' baseline)"
+        )
     args.repeats = args.repeats or (2 if args.quick else 5)
     args.num_prompts = args.num_prompts or (24 if args.quick else 96)
     args.output_len = args.output_len or (32 if args.quick else 64)
@@ -620,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         (lv, rep, config)
         for lv in args.level_list
         for rep in range(args.repeats)
-        for config in CONFIGS
+        for config in args.configs
     ]
     runs: list[dict[str, Any]] = []
     t_begin = time.time()
@@ -628,10 +675,15 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.keep_raw or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         servers = {
-            c: Server(c, server_args(c, model, args), env, workdir / f"server-{c}.log")
-            for c in CONFIGS
+            c: Server(
+                c,
+                server_args(c, model, args),
+                config_env(c, env),
+                workdir / f"server-{c}.log",
+            )
+            for c in args.configs
         }
-        startups: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        startups: dict[str, list[float]] = {c: [] for c in args.configs}
         try:
             with tqdm(total=len(plan), desc="serving", unit="run") as bar:
                 for n, (lv, rep, config) in enumerate(plan):
@@ -730,7 +782,9 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": "float32",
             }
         ),
-        "server": {c: ["api_server", *server_args(c, model, args)] for c in CONFIGS},
+        "server": {
+            c: ["api_server", *server_args(c, model, args)] for c in args.configs
+        },
         "server_start_s": startups,
         "workload": {
             "client": "vllm.benchmarks.serve (vllm bench serve), prefix_repetition",
@@ -757,9 +811,10 @@ def main(argv: list[str] | None = None) -> int:
             "cold_start": "one server per config for the whole sweep; before "
             "each run POST /reset_prefix_cache?reset_external=true (device prefix "
             "cache and the tier's host blocks)",
-            "order": "none, tier interleaved per repeat",
+            "order": f"{', '.join(args.configs)} interleaved per repeat",
             "lock": f"flock(2) on {LOCK_PATH} per run and per server start",
-            "ratios": "tier/none of the same repeat; median and min-max",
+            "ratios": "tier/none of the same repeat; median and min-max "
+            "(ratios_vs_none: every configuration's)",
             "host_hit_tokens": "delta of vllm:kvmem_host_hit_tokens_total on "
             "/metrics over the run",
         },

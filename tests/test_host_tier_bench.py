@@ -75,7 +75,8 @@ def test_quick_run_writes_json_and_png(bench, tmp_path, capsys):
     }
     assert keys <= set(report)
     summary = {(s["config"], s["reuse"]): s for s in report["summary"]}
-    assert set(summary) == {(c, r) for c in ("none", "host", "example") for r in (0, 1)}
+    configs = ("none", "host", "example")
+    assert set(summary) == {(c, r) for c in configs for r in (0, 1)} | {("device", 1)}
     for s in summary.values():
         for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"):
             assert s[k] > 0
@@ -89,21 +90,26 @@ def test_quick_run_writes_json_and_png(bench, tmp_path, capsys):
     assert host["revisit_prefix_hits"] == host["revisits"] > 0
     assert summary[("none", 1.0)]["revisit_prefix_hits"] == 0
     assert report["hit_vs_recompute"]["host_hit"]["n"] > 0
+    # The device arm keeps every document: its revisits are device hits.
+    assert report["hit_vs_recompute"]["device_hit"]["n"] == host["revisits"]
 
     assert report["outputs_identical"] is True
-    # The three targets, each verdict following from its value and threshold
+    # The four targets, each verdict following from its value and threshold
     # (no speed is asserted, only that the verdict is the measured one), and
     # each printed with that verdict.
     targets = report["targets"]
     names = [t["name"] for t in targets]
-    assert len(names) == 3
+    assert len(names) == 4
     assert names[0] == "0% reuse: host-tier throughput within 2% of no tier"
     assert names[1].startswith("host hits: TTFT >= ")
-    assert names[2] == "greedy outputs identical, host tier vs no tier"
-    assert targets[2]["passed"] is True
+    assert names[2].startswith("host hits: TTFT <= 1.25x a device prefix hit's")
+    assert names[3] == "greedy outputs identical, host tier vs no tier"
+    assert targets[3]["passed"] is True
     printed = capsys.readouterr().out.splitlines()
     for t in targets:
-        assert t["passed"] == (t["value"] >= t["threshold"]), t
+        at_most = t["name"].startswith("host hits: TTFT <= ")
+        met = t["value"] <= t["threshold"] if at_most else t["value"] >= t["threshold"]
+        assert t["passed"] == met, t
         verdict = "PASS" if t["passed"] else "FAIL"
         assert f"{verdict}  {t['name']}: {t['detail']}" in printed
     assert out.with_suffix(".png").stat().st_size > 0

@@ -5,6 +5,7 @@ tier/none ratios, targets and the output comparison."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -77,6 +78,42 @@ def test_dry_run_draws_each_level_from_vllms_dataset(bench, tmp_path, capsys):
         assert all(abs(n - 416) <= 4 for n in sampled["prompt_lens"])
     assert plan["order"][:2] == ["unique#0:none", "unique#0:tier"]  # interleaved
     assert len(plan["order"]) == 2 * 2 * 2  # levels x repeats x configs
+
+
+def test_diagnostic_configs_and_their_ratios(bench, tmp_path, capsys):
+    """``noop`` adds a connector that moves nothing, ``device`` a device cache
+    of the host tier's size and no connector; each gets its own ratio to
+    none, paired by repeat; a list without none is refused by name."""
+    argv = ["--dry-run", "--quick", "--configs", "none,tier,noop,device"]
+    assert bench.main([*argv, "--model-cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    plan, _ = json.JSONDecoder().raw_decode(out[out.index("{") :])
+    none, noop, device = (
+        shlex.split(plan["servers"][c]) for c in ("none", "noop", "device")
+    )
+    assert noop[: len(none)] == none and noop[len(none)] == "--kv-transfer-config"
+    assert json.loads(noop[-1]) == bench.NOOP_TRANSFER_CONFIG
+    i = none.index("--kv-cache-memory-bytes") + 1
+    assert (none[i], device[i]) == ("16M", "256M") and device[:i] == none[:i]
+    assert plan["order"][:4] == [
+        f"unique#0:{c}" for c in ("none", "tier", "noop", "device")
+    ]
+    env = bench.config_env("noop", {"PYTHONPATH": "/x"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(bench.ROOT), "/x"]
+    assert bench.config_env("tier", {"PYTHONPATH": "/x"}) == {"PYTHONPATH": "/x"}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--configs", "tier,noop"])
+    assert "none included" in capsys.readouterr().err
+
+    runs = [
+        _run("high", "none", 0, 10.0, 20.0),
+        _run("high", "device", 0, 12.0, 30.0),
+        _run("high", "noop", 0, 9.0, 20.0),
+    ]
+    lv = bench.summarize_level(runs, "high")
+    assert lv["ratios_vs_none"]["device"]["itl_p99_ms"]["median"] == pytest.approx(1.5)
+    assert lv["ratios_vs_none"]["noop"]["req_per_s"]["median"] == pytest.approx(0.9)
+    assert lv["paired_repeats"] == 0 and lv["ratios"]["req_per_s"]["median"] is None
 
 
 def test_levels_reuse_fraction(bench):
