@@ -28,6 +28,21 @@ GIT_SUBMITTER = ("Test Submitter", "submitter@example.com")
 
 
 @pytest.fixture(scope="session", autouse=True)
+def one_thread_per_engine_process() -> Iterator[None]:
+    """Engines started by the tests run one OpenMP thread per process.
+
+    On a 2-core machine a pipeline or TP=2 engine is two or three busy
+    processes; each with a team of two spinning threads, they take turns
+    at every barrier (the PP engine test: 60 s with two threads, 47 s with
+    one; a single-stage multiprocess engine 30 s and 24 s). Set here, after
+    this process loaded torch, it reaches only the processes the tests
+    start; ``OMP_NUM_THREADS`` given by the caller wins."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def git_submitter() -> Iterator[tuple[str, str]]:
     """``git config user.name``/``user.email`` say :data:`GIT_SUBMITTER`
     in this process and the processes it starts."""
