@@ -180,6 +180,12 @@ METRICS = (
     "vllm:prefix_cache_hits_total",
     "vllm:external_prefix_cache_hits_total",
     "vllm:num_preemptions_total",
+    # The tier's own time per engine step, each side (StepClock): the sums
+    # over the counts are its mean cost per step in the run.
+    "vllm:kvmem_host_scheduler_step_seconds_sum",
+    "vllm:kvmem_host_scheduler_step_seconds_count",
+    "vllm:kvmem_host_worker_step_seconds_sum",
+    "vllm:kvmem_host_worker_step_seconds_count",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
 )
