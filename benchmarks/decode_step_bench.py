@@ -43,15 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _noop_connector import NOOP_TRANSFER_CONFIG  # noqa: E402
 from _report import provenance, versions, write_json  # noqa: E402
 
 CONFIGS = ("none", "noop", "tier", "tier_lbhnc")
-NOOP_TRANSFER_CONFIG = {
-    "kv_connector": "ContiguousLayoutExampleConnector",
-    "kv_connector_module_path": "tests.contiguous_example",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"kv_cache_layout": None},
-}
 
 
 def engine_kwargs(config: str, model: str, args: argparse.Namespace) -> dict:

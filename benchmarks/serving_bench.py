@@ -131,6 +131,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 from _model import PublishedShape  # noqa: E402
+from _noop_connector import NOOP_TRANSFER_CONFIG  # noqa: E402
 from _report import (  # noqa: E402
     finish,
     load_report,
@@ -248,16 +249,6 @@ def server_env(threads: int) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     return env
-
-
-#: A connector that moves nothing (``tests/contiguous_example.py``, asking for
-#: no layout): what vLLM's connector plumbing alone costs a step.
-NOOP_TRANSFER_CONFIG = {
-    "kv_connector": "ContiguousLayoutExampleConnector",
-    "kv_connector_module_path": "tests.contiguous_example",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"kv_cache_layout": None},
-}
 
 
 def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if str(ROOT) not in sys.path:  # the no-op connector's module, tests/
     sys.path.insert(1, str(ROOT))
 
+from _noop_connector import NOOP_TRANSFER_CONFIG  # noqa: E402
 from _report import print_targets, provenance, versions, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -51,15 +52,6 @@ IDLE_GOAL_US = 50.0
 #: The ``--host-blocks`` value of the do-nothing connector's arm: vLLM's own
 #: per-step work for any connector.
 NOOP = 0
-#: That connector: the tests' example connector, asking for no layout, which
-#: moves nothing (``tests/contiguous_example.py``; importable from the
-#: repository root).
-NOOP_CONNECTOR = {
-    "kv_connector": "ContiguousLayoutExampleConnector",
-    "kv_connector_module_path": "tests.contiguous_example",
-    "kv_role": "kv_both",
-    "kv_connector_extra_config": {"kv_cache_layout": None},
-}
 
 
 def _model_dir(shape: str, cache: Path) -> Path:
@@ -94,7 +86,7 @@ def _configs(
     vllm_kvmem.register()
     kv_transfer = None
     if host_blocks == NOOP:
-        kv_transfer = KVTransferConfig(**NOOP_CONNECTOR)
+        kv_transfer = KVTransferConfig(**NOOP_TRANSFER_CONFIG)
     elif host_blocks is not None:
         kv_transfer = KVTransferConfig(
             kv_connector="HostTierConnector",
