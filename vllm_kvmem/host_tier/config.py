@@ -46,6 +46,11 @@ class HostTierConfig:
     the step's forward pass, or dropped."""
     verify: bool = False
     """Checksum every host block and recompute one that does not match."""
+    disk_path: str = ""
+    """Directory of the disk tier behind the host tier ("": none); see
+    ``disk_store``."""
+    disk_bytes: int = 0
+    """Bytes the disk tier's directory may hold, all ranks and replicas."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> HostTierConfig:
@@ -71,11 +76,23 @@ class HostTierConfig:
                         f"kv_connector_extra_config['verify']={value!r}; use "
                         f"true or false"
                     )
+            elif key == "disk_path":
+                if not isinstance(value, str):
+                    raise ValueError(
+                        f"kv_connector_extra_config['disk_path']={value!r}; use "
+                        f"a directory path"
+                    )
             elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(
                     f"kv_connector_extra_config[{key!r}]={value!r}; use a "
                     f"non-negative integer"
                 )
+        if bool(extra.get("disk_path")) != bool(extra.get("disk_bytes")):
+            raise ValueError(
+                "kv_connector_extra_config: disk_path and disk_bytes go together "
+                f"(got disk_path={extra.get('disk_path', '')!r}, "
+                f"disk_bytes={extra.get('disk_bytes', 0)!r})"
+            )
         return cls(**extra)
 
     def to_extra_config(self) -> dict[str, Any]:
