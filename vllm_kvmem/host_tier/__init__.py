@@ -38,7 +38,10 @@ Where each part lives:
   copies), ``copy_strategy`` (direct or gather, and its staging),
   ``block_views`` (the views the copies read and write),
   ``host_pool`` (pinned host memory), ``kv_region`` (where a block's bytes
-  live), ``wait_timer`` (the compute stream's waits on copies).
+  live), ``wait_timer`` (the compute stream's waits on copies);
+  ``disk_store`` and ``disk_files``: the file store of a second tier behind
+  host memory (fingerprinted, checksummed, atomic block files with a byte
+  budget; not wired into the scheduler and workers yet).
 
 The folder imports only vLLM and itself. The plugin's set-up of the tier
 (``--kv-host-cache-*`` turned into the connector's config, the host memory
