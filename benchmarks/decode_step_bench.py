@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _noop_connector import NOOP_TRANSFER_CONFIG  # noqa: E402
 from _report import provenance, versions, write_json  # noqa: E402
+from _serving_figures import spread  # noqa: E402
 
 CONFIGS = ("none", "noop", "tier", "tier_lbhnc")
 
@@ -104,17 +105,16 @@ def run_config(config: str, model: Path, args: argparse.Namespace, tmp: Path) ->
     }
     path = tmp / f"{config}.json"
     path.write_text(json.dumps(spec))
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_KV_CACHE_LAYOUT")
-    }
-    env.update(
+    from vllm_kvmem.demo_engine import engine_env
+
+    env = engine_env(
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
         OMP_NUM_THREADS=str(args.threads),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
     )
+    env.pop("VLLM_KV_CACHE_LAYOUT", None)  # only the tier_lbhnc arm sets it
     if config == "tier_lbhnc":
         env["VLLM_KV_CACHE_LAYOUT"] = "LBHNC"
     load = os.getloadavg()
@@ -135,15 +135,6 @@ def run_config(config: str, model: Path, args: argparse.Namespace, tmp: Path) ->
         **out,
         "loadavg_before": load,
         "loadavg_after": os.getloadavg(),
-    }
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    return {
-        "median": statistics.median(values) if values else None,
-        "min": min(values, default=None),
-        "max": max(values, default=None),
-        "values": values,
     }
 
 
