@@ -10,8 +10,10 @@ from vllm_kvmem.core.units import parse_positive_size
 from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.partition import DEFAULT_RESERVE
 from vllm_kvmem.planner.plans import plan
+from vllm_kvmem.planner.replay import HOST_POLICIES
 from vllm_kvmem.planner.report import format_plan, plan_to_dict
 from vllm_kvmem.planner.setup import PLATFORMS, Options
+from vllm_kvmem.planner.trace import TRACE_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +119,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mixed with full-attention layers",
     )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    trace = parser.add_argument_group(
+        "sizing the host tier from a workload (docs/kv-planning.md)"
+    )
+    trace.add_argument(
+        "--trace",
+        help="replay this request trace through vLLM's block hashing and prefix "
+        "cache with the host tier behind it, and print the hit rates per host "
+        "size instead of the capacity report",
+    )
+    trace.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        default="auto",
+        help="tokens, text, lengths (JSON lines) or conversations (vLLM's "
+        "multi-turn client's JSON); auto: a JSON list is conversations, JSON "
+        "lines are read line by line (default %(default)s)",
+    )
+    trace.add_argument(
+        "--host-sizes",
+        default="0,1x,2x,4x",
+        help="host tier sizes to replay: bytes (512M, 8G) or multiples of the "
+        "device KV cache (2x), comma-separated (default %(default)s)",
+    )
+    trace.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=1,
+        help="requests holding KV blocks at once in the replay (default "
+        "%(default)s: one at a time)",
+    )
+    trace.add_argument(
+        "--kv-host-cache-policy",
+        choices=HOST_POLICIES,
+        default="lru",
+        help="the host tier's eviction policy (default %(default)s)",
+    )
+    trace.add_argument(
+        "--max-active-conversations",
+        type=int,
+        default=1,
+        help="conversations trace: how many one client of vLLM's multi-turn "
+        "benchmark keeps going at once, which orders the turns (default "
+        "%(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         hybrid=not args.disable_hybrid_kv_cache_manager,
         platform=args.platform,
     )
+    if args.trace is not None:
+        return _run_trace(args, options)
     result = plan(
         args.model_dir,
         options,
@@ -150,6 +198,26 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_to_dict(result), indent=2))
     else:
         print(format_plan(result))
+    return 0
+
+
+def _run_trace(args: argparse.Namespace, options: Options) -> int:
+    """``kvmem plan --trace``: the workload's hit rates per host size."""
+    from vllm_kvmem.planner.trace import format_trace_report, trace_report
+
+    report = trace_report(
+        args.model_dir,
+        options,
+        trace=args.trace,
+        trace_format=args.trace_format,
+        host_sizes=args.host_sizes,
+        budget_bytes=args.kv_cache_memory_bytes,
+        budget_tokens=args.kv_cache_tokens,
+        policy=args.kv_host_cache_policy,
+        max_concurrency=args.max_concurrency,
+        max_active_conversations=args.max_active_conversations,
+    )
+    print(json.dumps(report, indent=2) if args.json else format_trace_report(report))
     return 0
 
 
