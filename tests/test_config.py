@@ -261,6 +261,11 @@ def test_bad_values_are_refused_with_our_messages(model_8l, vllm_python):
             "positive size such as 8G, 512M, 1.5g",
         ),
         (
+            ["--kv-disk-cache-bytes", "10 GB"],
+            "error: argument --kv-disk-cache-bytes: invalid value '10 GB': use a "
+            "positive size such as 8G, 512M, 1.5g",
+        ),
+        (
             ["--kv-cache-tokens", "abc"],
             "error: argument --kv-cache-tokens: invalid value 'abc': use a "
             "positive token count such as 400000, 400k, 1.5m",
@@ -281,10 +286,13 @@ def test_good_flags_parse_to_values():
     args = engine_args_from_cli(
         "--model", "m", "--kv-host-cache-bytes", "8G", "--kv-cache-tokens", "400k",
         "--kv-host-cache-policy", "fifo", "--kv-host-cache-verify",
+        "--kv-disk-cache-path", "/data/kv", "--kv-disk-cache-bytes", "100G",
     )  # fmt: skip
     assert args.additional_config["kvmem"] == {
         "kv_host_cache_bytes": 8 << 30,
         "kv_cache_tokens": 400_000,
         "kv_host_cache_policy": "fifo",
         "kv_host_cache_verify": True,
+        "kv_disk_cache_path": "/data/kv",
+        "kv_disk_cache_bytes": 100 << 30,
     }

@@ -211,3 +211,98 @@ def test_bad_connector_extra_config_is_refused_by_name(extra, message):
     with pytest.raises(ValueError, match=message):
         HostTierConfig.from_extra_config(extra)
     assert HostTierConfig.from_extra_config({"num_host_blocks": 8}).num_host_blocks == 8
+
+
+# -- --kv-disk-cache-path / --kv-disk-cache-bytes: the disk tier behind it --
+
+
+def test_disk_flags_reach_the_connector_from_every_door(model_8l, tmp_path):
+    disk = str(tmp_path / "kv")
+    via_cli = engine_args_from_cli(
+        "--model", str(model_8l), "--kv-cache-memory-bytes", "16M",
+        "--kv-host-cache-bytes", "64M", "--kv-disk-cache-path", disk,
+        "--kv-disk-cache-bytes", "1G",
+    )  # fmt: skip
+    via_kwarg = _args(
+        model_8l, kv_host_cache_bytes="64M", kv_disk_cache_path=disk,
+        kv_disk_cache_bytes="1G",
+    )  # fmt: skip
+    via_additional = _args(
+        model_8l,
+        additional_config={
+            "kvmem": {
+                "kv_host_cache_bytes": 64 << 20,
+                "kv_disk_cache_path": disk,
+                "kv_disk_cache_bytes": 1 << 30,
+            }
+        },
+    )
+    for args in (via_cli, via_kwarg, via_additional):
+        cfg = args.create_engine_config()
+        extra = cfg.kv_transfer_config.kv_connector_extra_config
+        assert (extra["disk_path"], extra["disk_bytes"]) == (disk, 1 << 30)
+        assert cfg.additional_config["kvmem"]["kv_disk_cache_bytes"] == 1 << 30
+
+
+def test_no_disk_flags_no_disk_tier(model_8l):
+    cfg = _args(model_8l, kv_host_cache_bytes="64M").create_engine_config()
+    extra = cfg.kv_transfer_config.kv_connector_extra_config
+    assert (extra["disk_path"], extra["disk_bytes"]) == ("", 0)
+
+
+@pytest.mark.parametrize(
+    "kw,line",
+    [
+        (
+            {"kv_host_cache_bytes": None},
+            "--kv-disk-cache-path {d} adds a disk tier behind the host KV tier, "
+            "which is off: add --kv-host-cache-bytes",
+        ),
+        (
+            {"kv_disk_cache_bytes": None},
+            "--kv-disk-cache-path {d} needs --kv-disk-cache-bytes N > 0",
+        ),
+        (
+            {"kv_disk_cache_path": None},
+            "--kv-disk-cache-bytes 1,073,741,824 needs --kv-disk-cache-path DIR",
+        ),
+        (
+            {"kv_disk_cache_path": "relative/kv"},
+            "--kv-disk-cache-path relative/kv: use an absolute path",
+        ),
+        (
+            {"kv_disk_cache_bytes": "lots"},
+            "--kv-disk-cache-bytes (additional_config['kvmem']"
+            "['kv_disk_cache_bytes']): invalid value 'lots': not a size",
+        ),
+        (
+            {"prefix_caching_hash_algo": "xxhash"},
+            "--prefix-caching-hash-algo xxhash seeds randomly in every process",
+        ),
+    ],
+)
+def test_bad_disk_settings_fail_at_startup_in_one_line(
+    model_8l, tmp_path, monkeypatch, kw, line
+):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    disk = str(tmp_path / "kv")
+    base = dict(
+        kv_host_cache_bytes="64M", kv_disk_cache_path=disk, kv_disk_cache_bytes="1G"
+    )
+    base.update(kw)
+    args = {k: v for k, v in base.items() if v is not None}
+    with pytest.raises(ValueError) as e:
+        _args(model_8l, **args).create_engine_config()
+    msg = str(e.value)
+    assert line.format(d=disk) in msg and "\n" not in msg, msg
+
+
+def test_xxhash_with_a_shared_pythonhashseed_is_accepted(
+    model_8l, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    cfg = _args(
+        model_8l, kv_host_cache_bytes="64M", kv_disk_cache_path=str(tmp_path),
+        kv_disk_cache_bytes="1G", prefix_caching_hash_algo="xxhash",
+    ).create_engine_config()  # fmt: skip
+    assert cfg.kv_transfer_config.kv_connector_extra_config["disk_path"]

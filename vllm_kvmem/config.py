@@ -102,6 +102,21 @@ class KVMemConfig(BaseModel):
     recomputes, and is logged. Costs a synchronous pass over every copied
     byte."""
 
+    kv_disk_cache_path: str | None = None
+    """Directory of a disk KV tier behind the host tier (an absolute path,
+    local or shared by several engines): blocks the host tier evicts are
+    written there, one file per block and worker, and a prefix that misses
+    on the device and in host memory is read back from it, also by another
+    engine or after a restart. Needs ``--kv-host-cache-bytes`` and
+    ``--kv-disk-cache-bytes``, and block hashes every process agrees on
+    (``--prefix-caching-hash-algo sha256``, vLLM's default, or the same
+    ``PYTHONHASHSEED`` everywhere)."""
+
+    kv_disk_cache_bytes: SizeInt | None = None
+    """Bytes the disk KV tier's directory may hold (``100G``), all workers
+    and all engines sharing it together; the least recently used blocks are
+    removed beyond it. Needs ``--kv-disk-cache-path``."""
+
     def budget_mode(self, vllm_config: Any) -> BudgetMode | None:
         """Which vllm-kvmem budget sizes the KV cache of ``vllm_config``:
         ``tokens`` (``--kv-cache-tokens``), ``split``

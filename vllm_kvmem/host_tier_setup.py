@@ -30,6 +30,8 @@ MODULE_PATH = "vllm_kvmem.host_tier.connector"
 #: ``benchmarks/tier_step_bench.py``) rather than by ``--kv-host-cache-bytes``.
 SHORT_NAME = "HostTierConnector"
 SIZE_FLAG = KVMemConfig.flag("kv_host_cache_bytes")
+PATH_FLAG = KVMemConfig.flag("kv_disk_cache_path")
+DISK_SIZE_FLAG = KVMemConfig.flag("kv_disk_cache_bytes")
 
 
 # ------------------------------------------------------------ startup
@@ -46,6 +48,7 @@ def add_connector_config(engine_args: Any) -> None:
     from vllm.config import KVTransferConfig
 
     cfg = KVMemConfig.from_vllm_config(engine_args)  # same field on EngineArgs
+    disk_path, disk_bytes = _check_disk_options(engine_args, cfg)
     if cfg.kv_host_cache_bytes is None:
         return
     size = cfg.kv_host_cache_bytes
@@ -84,11 +87,34 @@ def add_connector_config(engine_args: Any) -> None:
             step_bytes=cfg.kv_host_cache_step_bytes or 0,
             late_spill=cfg.kv_host_cache_late_spill,
             verify=cfg.kv_host_cache_verify,
+            disk_path=disk_path,
+            disk_bytes=disk_bytes,
         ).to_extra_config(),
         # A host block that fails to load (or to verify) is recomputed, never
         # served and never fatal to the request.
         kv_load_failure_policy="recompute",
     )
+
+
+def _check_disk_options(engine_args: Any, cfg: KVMemConfig) -> tuple[str, int]:
+    """Refuse a disk tier setting that cannot work, in one line naming the
+    flag, the value and what would work; its (path, bytes), ("", 0) when
+    off. The disk tier sits behind the host tier, whose evictions fill it."""
+    from vllm_kvmem.host_tier.disk_store import check_disk_config
+
+    path, size = cfg.kv_disk_cache_path, cfg.kv_disk_cache_bytes
+    if path is None and size is None:
+        return "", 0
+    if cfg.kv_host_cache_bytes is None:
+        given = PATH_FLAG if path is not None else DISK_SIZE_FLAG
+        value = path if path is not None else f"{size:,}"
+        raise ValueError(
+            f"{given} {value} adds a disk tier behind the host KV tier, which is "
+            f"off: add {SIZE_FLAG} (e.g. {SIZE_FLAG} 8G)."
+        )
+    hash_algo = str(getattr(engine_args, "prefix_caching_hash_algo", "sha256"))
+    check_disk_config(path or "", size or 0, hash_algo=hash_algo)
+    return path or "", size or 0
 
 
 def register_connector_name() -> None:
