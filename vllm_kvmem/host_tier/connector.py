@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.disk_tier import WorkerDisk, disk_serves
 from vllm_kvmem.host_tier.kv_region import config_slot_bytes
 from vllm_kvmem.host_tier.scheduler import HostTierScheduler
 from vllm_kvmem.host_tier.stats import HostTierPromMetrics, HostTierStats, StepClock
@@ -103,11 +104,19 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=hit_groups(kv_cache_config) if self.enabled else (),
             )
         else:
+            disk = None
+            if self.enabled and self.config.disk_path and disk_serves(kv_cache_config):
+                config = self.config
+
+                def disk() -> WorkerDisk:
+                    return WorkerDisk.for_this_rank(config, vllm_config)
+
             self.connector_worker = HostTierWorker(
                 kv_cache_config,
                 enabled=self.enabled,
                 num_slots=self.num_slots,
                 verify=self.config.verify,
+                disk=disk,
             )
 
     @classmethod

@@ -12,7 +12,7 @@ being so is noted here, the one place it happens, when :attr:`notes` is on
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 POLICIES = ("lru", "fifo")
@@ -56,6 +56,9 @@ class HostBlockIndex:
         # (STORED | REMOVED | CLEARED, key) in order, while someone takes them
         # (None: not recorded, nothing spent).
         self.notes: list[tuple[str, Hashable]] | None = None
+        #: Called with each block the policy evicts and its slot, before the
+        #: slot is reused (the disk tier writes it there).
+        self.on_evict: Callable[[Hashable, int], None] | None = None
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -171,5 +174,7 @@ class HostBlockIndex:
                 del self._slots[key]
                 del self._keys[slot]
                 self._dropped_key(key)
+                if self.on_evict is not None:
+                    self.on_evict(key, slot)
                 return slot
         return None

@@ -16,12 +16,14 @@ nothing, and this costs nothing."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from typing import Any
 
 import msgspec
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -37,6 +39,9 @@ from vllm_kvmem.host_tier.host_index import CLEARED, STORED
 
 # A device event's key: (vLLM's external block hash, KV cache group).
 _Key = tuple[Any, int | None]
+#: Host blocks' events kept for the disk tier's (a block reaches disk after
+#: it left the device and the host): the most recent this many.
+RECENT_HOST_EVENTS = 8192
 
 
 class HostKVEvents:
@@ -54,6 +59,8 @@ class HostKVEvents:
         self._read = 0
         self._events: list[KVCacheEvent] = []
         self.without_tokens = 0  # host blocks sent without their tokens
+        # The latest host blocks' events: a disk block's is made from them.
+        self._recent: OrderedDict[_Key, BlockStored] = OrderedDict()
 
     def bind(self, pool: Any) -> bool:
         """Send events when vLLM's block pool queues its own."""
@@ -136,7 +143,15 @@ class HostKVEvents:
     def _stored_on_host(self, block_hash: Any, group: int) -> BlockStored:
         device = self.device.get((block_hash, group))
         if device is not None:
-            return msgspec.structs.replace(device, medium=MEDIUM_CPU)
+            event = msgspec.structs.replace(device, medium=MEDIUM_CPU)
+            self._recent[block_hash, group] = event
+            self._recent.move_to_end((block_hash, group))
+            if len(self._recent) > RECENT_HOST_EVENTS:
+                self._recent.popitem(last=False)
+            return event
+        return self._without_tokens(block_hash, group, MEDIUM_CPU)
+
+    def _without_tokens(self, block_hash: Any, group: int, medium: str) -> BlockStored:
         self.without_tokens += 1
         return BlockStored(
             block_hashes=[block_hash],
@@ -144,10 +159,28 @@ class HostKVEvents:
             token_ids=[],
             block_size=self.block_size,
             lora_id=None,
-            medium=MEDIUM_CPU,
+            medium=medium,
             lora_name=None,
             group_idx=group,
         )
+
+    def stored_on_disk(self, keys: Iterable[Hashable]) -> None:
+        """``BlockStored`` with vLLM's storage medium (``STORAGE``, as its
+        SimpleCPUOffload sends for its disk tier) for blocks now whole on
+        disk. Files leave the directory as any engine sharing it evicts
+        them, unseen here: no ``BlockRemoved`` follows, and a router's disk
+        entry is a hint (a stale one is a miss, recomputed)."""
+        if not self.enabled:
+            return
+        for key in keys:
+            block_hash = maybe_convert_block_hash(get_block_hash(key))
+            group = get_group_id(key)
+            host = self._recent.get((block_hash, group))
+            self._events.append(
+                msgspec.structs.replace(host, medium=MEDIUM_STORAGE)
+                if host is not None
+                else self._without_tokens(block_hash, group, MEDIUM_STORAGE)
+            )
 
     def take(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -25,6 +25,7 @@ class _Load:
     cancelled: bool = False
     sent: dict[int, int] = field(default_factory=dict)  # block -> slot handed out
     invalid: list[int] = field(default_factory=list)  # blocks with no host copy
+    waiting: set[int] = field(default_factory=set)  # slots still read from disk
 
 
 class LoadQueue:
@@ -57,10 +58,12 @@ class LoadQueue:
         invalid: list[int],
         *,
         sync: bool,
+        waiting: set[int] | None = None,
     ) -> None:
         """A request's hit, as (slot, block) pairs whose slots are pinned, and
         the blocks with no host copy (reported as failed loads): loaded in this
-        step (``sync``) or queued."""
+        step (``sync``) or queued; ``waiting``: slots whose disk read must be
+        done first (never ``sync``)."""
         if sync:
             # Pinned until the workers get this step's copies; a save into a
             # slot reused later waits for the load on the workers.
@@ -78,7 +81,11 @@ class LoadQueue:
             self.slots.unpin_after_step([s for s, _ in pairs])
             return
         self.queue[req_id] = _Load(
-            req_id, pairs, [s for s, _ in pairs], invalid=invalid
+            req_id,
+            pairs,
+            [s for s, _ in pairs],
+            invalid=invalid,
+            waiting=set(waiting or ()),
         )
 
     def step_loads(self) -> list[LoadChunk]:
@@ -89,6 +96,10 @@ class LoadQueue:
         self.sync_blocks = 0
         for req_id in list(self.queue):
             load = self.queue[req_id]
+            if load.waiting:
+                # Its disk reads are still writing its slots: even a
+                # cancelled load keeps them pinned until then.
+                continue
             if load.cancelled:
                 take: list[tuple[int, int]] = []
                 load.pairs = []
@@ -113,6 +124,17 @@ class LoadQueue:
                 del self.queue[req_id]
                 self.inflight[req_id] = load
         return chunks
+
+    def disk_read_done(self, slot: int, ok: bool) -> None:
+        """A disk read into ``slot`` is done on every worker; a failed one
+        leaves its block to vLLM to recompute."""
+        for load in self.queue.values():
+            if slot in load.waiting:
+                load.waiting.discard(slot)
+                if not ok:
+                    load.invalid += [b for s, b in load.pairs if s == slot]
+                    load.pairs = [(s, b) for s, b in load.pairs if s != slot]
+                return
 
     def finished(self, req_ids: set[str] | None) -> None:
         """Loads the workers report done: their slots are free to reuse."""

@@ -5,7 +5,7 @@ request, then handed to the load queue as (host slot, device block) pairs."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.logger import init_logger
@@ -25,6 +25,9 @@ class _Match:
     start: int  # first block of the hit
     slots: dict[tuple[int, int], int]  # (group, block position) -> host slot
     sync: bool
+    # Slots taken for disk hits, read once vLLM allocates the request: slot
+    # -> block key.
+    disk: dict[int, bytes] = field(default_factory=dict)
 
 
 class HostMatcher:
@@ -42,9 +45,12 @@ class HostMatcher:
         block_size: int,
         loads: LoadQueue,
         count: Callable[..., None],
+        disk: Any = None,
     ) -> None:
         """``groups``: full-attention groups first; ``count``: the scheduler's
-        counter (its interval stats)."""
+        counter (its interval stats); ``disk``: the disk tier behind the host
+        (a ``SchedulerDisk``; one full-attention group only), or None."""
+        self.disk = disk
         self.slots = slots
         self.groups = groups
         self.block_size = block_size
@@ -64,10 +70,16 @@ class HostMatcher:
         )
         old = self.matched.pop(request.request_id, None)
         if old:
-            self.slots.unpin(list(old.slots.values()))
+            self._release(old.slots.values(), old.disk)
         if stop <= start:
             return 0, False
         end, slots = self._longest_hit(request.block_hashes, start, stop)
+        self.slots.pin(list(slots.values()))
+        disk: dict[int, bytes] = {}
+        if self.disk is not None and end < stop:
+            # The prefix goes on on disk: each block read into a host slot of
+            # its own (pinned), then loaded like a host hit.
+            end, disk = self._disk_hit(request.block_hashes, end, stop, slots)
         hit = (end - start) * self.block_size
         looked = (stop - start) * self.block_size
         # Counted once the request is allocated: a waiting request is looked up
@@ -75,13 +87,12 @@ class HostMatcher:
         self.lookups[request.request_id] = (looked, hit)
         if not slots:
             return 0, False
-        self.slots.pin(list(slots.values()))
         # A hit that fits what is left of this step's load budget is loaded
         # before this step's forward and the request runs in this very step:
         # the other requests wait for at most one budget of copies either
         # way, and the request saves the two steps of the asynchronous path.
-        sync = len(slots) <= self.loads.sync_room()
-        self.matched[request.request_id] = _Match(start, slots, sync)
+        sync = not disk and len(slots) <= self.loads.sync_room()
+        self.matched[request.request_id] = _Match(start, slots, sync, disk)
         # Otherwise asynchronous: the request waits for its own blocks in
         # WAITING_FOR_REMOTE_KVS while every other request keeps running.
         return hit, not sync
@@ -141,6 +152,38 @@ class HostMatcher:
         )
         return end, slots
 
+    def _disk_hit(
+        self,
+        block_hashes: Any,
+        end: int,
+        stop: int,
+        slots: dict[tuple[int, int], int],
+    ) -> tuple[int, dict[int, bytes]]:
+        """Continue a hit ending at ``end`` with the blocks whole on disk, a
+        host slot each (added to ``slots``): the new end and the slots to
+        read into."""
+        gid = self.groups[0].group_id
+        keys = [
+            make_block_hash_with_group_id(block_hashes[pos], gid)
+            for pos in range(end, stop)
+        ]
+        disk: dict[int, bytes] = {}
+        for key in keys[: self.disk.lookup(keys)]:
+            slot = self.slots.take_for_disk(key)
+            if slot is None:
+                break  # every slot pinned, or the block on its way already
+            slots[gid, end] = slot
+            disk[slot] = key
+            end += 1
+        return end, disk
+
+    def _release(self, slots: Any, disk: dict[int, bytes]) -> None:
+        """Unpin a hit's slots; those taken for disk reads never sent are
+        forgotten (they hold nothing)."""
+        for slot in disk:
+            self.slots.unfill(slot)
+        self.slots.unpin(list(slots))
+
     def claim(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """vLLM allocated ``request`` (``update_state_after_alloc``) and took
         ``num_external_tokens`` of its hit: count the lookup, and hand each
@@ -178,7 +221,15 @@ class HostMatcher:
                         invalid.append(block.block_id)
                     else:
                         pairs.append((slot, block.block_id))
-        self.slots.unpin(list(slots.values()))  # matched, not needed
+        unused = set(slots.values())
+        self._release(  # matched, not needed
+            slots.values(), {s: k for s, k in matched.disk.items() if s in unused}
+        )
+        waiting = set()
+        for slot, _ in pairs:
+            if slot in matched.disk:
+                self.disk.read(slot, matched.disk[slot])
+                waiting.add(slot)
         if invalid:
             # vLLM took a shorter hit than offered, whose window starts at
             # blocks the host does not hold: reported as failed loads, so
@@ -190,7 +241,9 @@ class HostMatcher:
                 request.request_id,
             )
         if pairs or invalid:
-            self.loads.add(request.request_id, pairs, invalid, sync=matched.sync)
+            self.loads.add(
+                request.request_id, pairs, invalid, sync=matched.sync, waiting=waiting
+            )
 
     def _pin_held(self, request: Any, group_id: int, pos: int) -> int | None:
         """The host slot of a request's block, pinned, if the host holds it."""
@@ -205,4 +258,4 @@ class HostMatcher:
         self.lookups.pop(req_id, None)
         matched = self.matched.pop(req_id, None)
         if matched is not None:
-            self.slots.unpin(list(matched.slots.values()))
+            self._release(matched.slots.values(), matched.disk)

@@ -47,6 +47,11 @@ class HostTierMetadata(KVConnectorMetadata):
     evict_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
     ahead_saves: list[tuple[int, int]] = field(default_factory=list)  # (block, slot)
     loads: list[LoadChunk] = field(default_factory=list)
+    # Disk tier, first of all (before the saves reuse the slots): host slots
+    # whose block the host index evicted, to write to disk, and host slots to
+    # read disk blocks into in the background, as (slot, block key).
+    disk_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    disk_reads: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -58,10 +63,24 @@ class HostTierWorkerMeta(KVConnectorWorkerMetadata):
 
     saved_through: int = 0
     failed_saves: tuple[tuple[int, int], ...] = ()
+    # Disk tier: every read of the steps up to ``disk_read_through`` is done
+    # (min over workers), the reads that failed as ``(slot, step)`` (union:
+    # a block is in host memory only if every worker read its slice), and
+    # the slices written, ``(key, rank tag, payload bytes)``.
+    disk_read_through: int = 0
+    disk_failed_reads: tuple[tuple[int, int], ...] = ()
+    disk_written: tuple[tuple[bytes, str, int], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> HostTierWorkerMeta:
         theirs = getattr(other, "saved_through", self.saved_through)
         failed = set(self.failed_saves) | set(getattr(other, "failed_saves", ()))
+        reads = getattr(other, "disk_read_through", self.disk_read_through)
+        bad_reads = set(self.disk_failed_reads)
+        bad_reads.update(getattr(other, "disk_failed_reads", ()))
         return HostTierWorkerMeta(
-            min(self.saved_through, theirs), tuple(sorted(failed))
+            min(self.saved_through, theirs),
+            tuple(sorted(failed)),
+            min(self.disk_read_through, reads),
+            tuple(sorted(bad_reads)),
+            self.disk_written + tuple(getattr(other, "disk_written", ())),
         )

@@ -21,6 +21,7 @@ from vllm.utils.mem_constants import MiB_bytes
 from vllm.utils.mem_utils import format_gib
 
 from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.disk_tier import SchedulerDisk
 from vllm_kvmem.host_tier.free_queue import FreeQueueShadow
 from vllm_kvmem.host_tier.host_index import HostBlockIndex
 from vllm_kvmem.host_tier.kv_events import HostKVEvents
@@ -103,8 +104,20 @@ class HostTierScheduler(CountsStats):
             shadow_window=max(scan_window, per_group * len(self.groups)),
         )
         self.loads = LoadQueue(self.slots, budget_blocks)
+        self.disk: SchedulerDisk | None = None
+        if config.disk_path:
+            if len(self.groups) == 1 and self.groups[0].window is None:
+                self.disk = SchedulerDisk(config, vllm_config)
+                self.slots.index.on_evict = self.disk.demote
+            else:
+                logger.warning(
+                    "Disk KV tier off: it serves models with one full-attention "
+                    "KV cache group only (this one has %s); the host tier runs "
+                    "without it.",
+                    describe_groups(self.groups),
+                )
         self.matcher = HostMatcher(
-            self.slots, self.groups, block_size, self.loads, self._count
+            self.slots, self.groups, block_size, self.loads, self._count, self.disk
         )
         #: What the eviction check calls with each evicted block (block id,
         #: hash held, tokens covered): a late spill. An attribute, read at
@@ -122,6 +135,13 @@ class HostTierScheduler(CountsStats):
             self.step_bytes // MiB_bytes,
             "copied" if config.late_spill == "copy" else "dropped",
         )
+        if self.disk is not None:
+            logger.info(
+                "Disk KV tier behind it: %s, up to %s GiB (all ranks and "
+                "replicas), blocks evicted from host memory written there.",
+                self.disk.store.dir,
+                format_gib(config.disk_bytes),
+            )
 
     @property
     def index(self) -> HostBlockIndex:
@@ -164,6 +184,10 @@ class HostTierScheduler(CountsStats):
         meta.evict_saves = spills.take()
         meta.ahead_saves = self.free_queue.walk(self._seq)
         meta.loads = self.loads.step_loads()
+        if self.disk is not None:
+            # After every eviction of this step (saves, hits): the workers
+            # write the victims before the step's copies reuse their slots.
+            meta.disk_saves, meta.disk_reads = self.disk.take(self._seq)
         slots.sent(self._seq, meta.evict_saves + meta.ahead_saves)
         slots.end_step()
         self.events.add(slots.take_notes())
@@ -199,11 +223,37 @@ class HostTierScheduler(CountsStats):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, HostTierWorkerMeta):
             self.slots.reported(meta.saved_through, meta.failed_saves)
+            if self.disk is not None:
+                self._disk_reported(meta)
         if bad := connector_output.invalid_block_ids:
             self.loads.drop_bad_copies(bad)
         self.loads.finished(connector_output.finished_recving)
         self.events.observe()
         self.events.add(self.slots.take_notes())
+
+    def _disk_reported(self, meta: HostTierWorkerMeta) -> None:
+        """The workers' disk news: slices written (listed for lookups, and a
+        KV event once every rank's is), reads done or failed (their loads go
+        ahead, or their blocks are recomputed)."""
+        assert self.disk is not None
+        self.disk.written(meta.disk_written)
+        self.events.stored_on_disk(self.disk.take_stored())
+        done, failed = self.disk.reported(
+            meta.disk_read_through, meta.disk_failed_reads
+        )
+        for slot in done:
+            self.slots.filled(slot)
+            self.loads.disk_read_done(slot, True)
+        for slot in failed:
+            self.slots.unfill(slot)
+            self.loads.disk_read_done(slot, False)
+        if failed:
+            self._count(disk_read_failures=len(failed))
+            logger.warning(
+                "Disk KV tier: %d blocks failed to read back from disk; their "
+                "tokens are recomputed.",
+                len(failed),
+            )
 
     def take_events(self) -> list[Any]:
         """The host blocks' KV events since the last call (vLLM's scheduler
@@ -251,8 +301,12 @@ class HostTierScheduler(CountsStats):
             return None
         stats.data["host_bytes_in_use"] = self.host_bytes_in_use()
         stats.data["load_queue_blocks"] = self.load_queue_blocks()
+        if self.disk is not None:
+            stats.data["disk_bytes_in_use"] = self.disk.bytes_in_use()
         return stats
 
     def shutdown(self) -> None:
         if self.enabled:
             self.free_queue.shadow = {}
+        if self.disk is not None:
+            self.disk.close()

@@ -31,6 +31,9 @@ class HostSlots:
         # slot -> step whose save last wrote it: a failure reported for that
         # step forgets the slot's block, a stale report (slot reused) nothing.
         self.save_step: dict[int, int] = {}
+        # Slots given to disk blocks whose read into host memory is not done
+        # yet: held in the index (pinned), never matched or loaded from.
+        self.filling: set[int] = set()
 
     # -- what the host holds ----------------------------------------------------
 
@@ -41,7 +44,10 @@ class HostSlots:
         return key in self.index
 
     def slot_of(self, key: Hashable) -> int | None:
-        return self.index.slot_of(key)
+        """The slot holding ``key`` ready to load (not one still being read
+        from disk)."""
+        slot = self.index.slot_of(key)
+        return None if slot in self.filling else slot
 
     def use(self, keys: Sequence[Hashable], looked: int) -> None:
         self.index.use(keys, looked)
@@ -72,6 +78,28 @@ class HostSlots:
         step's: the step's slots may be reused from the next step on."""
         self.index.unpin(self.step_pins)
         self.step_pins.clear()
+
+    # -- disk reads -------------------------------------------------------------
+
+    def take_for_disk(self, key: Hashable) -> int | None:
+        """A slot, pinned, for ``key`` to be read into from disk; None when
+        every slot is pinned or ``key`` is held already."""
+        slot = self.index.put(key)
+        if slot is not None:
+            self.index.pin([slot])
+            self.filling.add(slot)
+        return slot
+
+    def filled(self, slot: int) -> None:
+        """The disk read into ``slot`` is done on every worker."""
+        self.filling.discard(slot)
+
+    def unfill(self, slot: int) -> None:
+        """The disk read into ``slot`` failed or will not run: its block is
+        forgotten (the caller still unpins it)."""
+        if slot in self.filling:
+            self.filling.discard(slot)
+            self.index.drop_slot(slot)
 
     # -- saves ------------------------------------------------------------------
 

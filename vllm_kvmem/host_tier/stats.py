@@ -12,6 +12,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from vllm_kvmem.host_tier.disk_store import (
+    DISK_COUNTERS,
+    DISK_GAUGES,
+    DISK_METRIC_DOCS,
+)
+
 #: Counters summed over an interval (and over workers, for the worker ones).
 COUNTERS = (
     "lookup_tokens",
@@ -28,9 +34,13 @@ COUNTERS = (
     "load_errors",
     "save_errors",
     "copy_wait_seconds",
+    # The disk tier behind the host tier: the workers' store counters (block
+    # slices, summed over workers) and the scheduler's failed reads (blocks).
+    *DISK_COUNTERS,
+    "disk_read_failures",
 )
 #: Gauges: the value at the end of the interval.
-GAUGES = ("host_bytes_in_use", "load_queue_blocks")
+GAUGES = ("host_bytes_in_use", "load_queue_blocks", *DISK_GAUGES)
 #: The tier's own time in each engine step, one list per side, microseconds
 #: (the scheduler's in the engine core; the workers', one entry per worker
 #: and step).
@@ -107,6 +117,9 @@ METRIC_DOCS = {
     "copy_wait_seconds": "Seconds engine steps waited on host tier copies, summed "
     "over workers (on GPUs the compute stream's stalls on copy events, timed on "
     "the device and sampled; on CPU the copies themselves).",
+    **{k: DISK_METRIC_DOCS[k] for k in DISK_COUNTERS},
+    "disk_read_failures": "KV blocks whose read back from the disk tier failed on "
+    "some worker (recomputed).",
 }
 STEP_DOCS = {
     "scheduler_step_us": "Seconds the host tier's scheduler side spent in one "
@@ -118,6 +131,7 @@ STEP_DOCS = {
 GAUGE_DOCS = {
     "host_bytes_in_use": "Host memory holding KV blocks in the host tier.",
     "load_queue_blocks": "Host tier blocks waiting to be loaded or in flight.",
+    **{k: DISK_METRIC_DOCS[k] for k in DISK_GAUGES},
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -30,9 +31,19 @@ class HostTierWorker(CountsStats):
     """The worker-side half of the connector (one per worker process)."""
 
     def __init__(
-        self, kv_cache_config: Any, *, enabled: bool, num_slots: int, verify: bool
+        self,
+        kv_cache_config: Any,
+        *,
+        enabled: bool,
+        num_slots: int,
+        verify: bool,
+        disk: Callable[[], Any] | None = None,
     ) -> None:
+        """``disk``: makes this rank's ``WorkerDisk`` (the disk tier behind
+        the host), called once the rank's place in the pipeline is known."""
         super().__init__()
+        self._make_disk = disk
+        self._disk: Any = None
         self._kv_cache_config = kv_cache_config
         self.enabled = enabled
         self.num_slots = num_slots
@@ -98,6 +109,8 @@ class HostTierWorker(CountsStats):
             regions, self.num_slots, cudart=_pinning_runtime()
         )
         self._engine = BlockCopyEngine(regions, pool, device=base.device)
+        if self._make_disk is not None and self._disk is None:
+            self._disk = self._make_disk()
         self._waits = StreamWaitTimer(self._engine.device)
         logger.info(
             "Host KV tier on this rank: %d slots x %d bytes = %s GiB of %s host "
@@ -110,6 +123,9 @@ class HostTierWorker(CountsStats):
 
     def shutdown(self) -> None:
         """Release the host pool (see the connector's ``shutdown``); idempotent."""
+        disk, self._disk = self._disk, None
+        if disk is not None:
+            disk.close()
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -133,6 +149,8 @@ class HostTierWorker(CountsStats):
             self._bad_slots.update(meta.stale_slots)
             for slot in meta.stale_slots:
                 self._checksums.pop(slot, None)
+        if self._disk is not None and (meta.disk_saves or meta.disk_reads):
+            self._disk_step(meta)
         if not (meta.fence or meta.evict_saves or meta.ahead_saves):
             return  # nothing to copy or wait for: most steps
         started = time.perf_counter()
@@ -151,6 +169,31 @@ class HostTierWorker(CountsStats):
             if job is not None and job.event is not None:
                 self._ahead_jobs.append((meta.seq, job))
         self._count_waits(started)
+
+    def _disk_step(self, meta: HostTierMetadata) -> None:
+        """The disk tier's share of the step, before its saves reuse any
+        slot: copy the slots whose blocks the host evicted (the writer takes
+        the copies) and hand the reads to the loader thread. A copy still
+        writing or reading such a slot (GPU) is waited for first."""
+        slots = [s for s, _ in meta.disk_saves] + [s for s, _ in meta.disk_reads]
+        self._prune()
+        taken = set(slots)
+        for job, _, js in self._save_jobs:
+            if taken.intersection(js):
+                job.wait()
+        for job, js in self._load_jobs:
+            if taken.intersection(js):
+                job.wait()
+        # A slot whose save failed holds nothing worth writing to disk.
+        bad = set(self._bad_slots)
+        for slot, _ in meta.disk_reads:
+            # A read gives the slot new contents: the scheduler loads from it
+            # once every worker's read is done.
+            self._bad_slots.discard(slot)
+            self._checksums.pop(slot, None)
+        self._disk.step(
+            meta.seq, meta.disk_saves, meta.disk_reads, self._engine.slot_image, bad
+        )
 
     def _count_waits(self, started: float) -> None:
         """CPU: the copies ran in this call, so its host time is the wait.
@@ -340,11 +383,20 @@ class HostTierWorker(CountsStats):
         self._prune()
         pending = self._ahead_jobs[0][0] - 1 if self._ahead_jobs else self._last_seq
         failed, self._failed_saves = tuple(self._failed_saves), []
-        return HostTierWorkerMeta(saved_through=pending, failed_saves=failed)
+        meta = HostTierWorkerMeta(saved_through=pending, failed_saves=failed)
+        if self._disk is not None:
+            (
+                meta.disk_read_through,
+                meta.disk_failed_reads,
+                meta.disk_written,
+            ) = self._disk.report()
+        return meta
 
     def stats(self) -> HostTierStats | None:
         """This interval's counters; None when nothing was counted (the gauges
         are the scheduler's)."""
+        if self._disk is not None and (disk := self._disk.counters()):
+            self._count(**disk)
         stats = self._take_stats()
         return None if stats is None or stats.is_empty() else stats
 
