@@ -105,7 +105,12 @@ class SchedulerDisk:
         self.ranks = _ranks(vllm_config)
         self.saves: list[tuple[int, bytes]] = []  # this step's demotions
         self.reads: list[tuple[int, bytes]] = []  # this step's reads
-        self.pending: dict[int, int] = {}  # slot -> step its read was sent in
+        # slot -> (step its read was sent in, block key)
+        self.pending: dict[int, tuple[int, bytes]] = {}
+        # Blocks a worker failed to read: never offered again (the index of
+        # files may still list them until a rescan, or the file stays, e.g.
+        # a slow disk), until a worker writes them anew.
+        self.refused: set[bytes] = set()
         self.read_through = 0
         # Blocks whose every rank's file a worker reported written, not yet
         # taken as KV events.
@@ -121,8 +126,15 @@ class SchedulerDisk:
             self.saves.append((slot, key))
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
-        """How many of ``keys``, in prefix order, are whole on disk."""
-        return self.store.lookup([_key_bytes(k) for k in keys], self.ranks)
+        """How many of ``keys``, in prefix order, are whole on disk (and not
+        refused by a failed read)."""
+        names = [_key_bytes(k) for k in keys]
+        n = self.store.lookup(names, self.ranks)
+        if self.refused:
+            for i, name in enumerate(names[:n]):
+                if name in self.refused:
+                    return i
+        return n
 
     def read(self, slot: int, key: Hashable) -> None:
         """Read ``key`` from disk into host slot ``slot`` (sent this step)."""
@@ -132,8 +144,8 @@ class SchedulerDisk:
         """Step ``seq``'s demotions and reads, for the workers."""
         saves, reads = self.saves, self.reads
         self.saves, self.reads = [], []
-        for slot, _ in reads:
-            self.pending[slot] = seq
+        for slot, key in reads:
+            self.pending[slot] = (seq, key)
         return saves, reads
 
     def reported(
@@ -143,13 +155,21 @@ class SchedulerDisk:
         ``read_through`` is done on every worker, and ``failed`` ones,
         ``(slot, step)``, failed on at least one. Returns the slots now
         filled and those whose read failed."""
-        bad = {slot for slot, step in failed if self.pending.get(slot) == step}
+        bad = {
+            slot
+            for slot, step in failed
+            if slot in self.pending and self.pending[slot][0] == step
+        }
         self.read_through = max(self.read_through, read_through)
         done, failed_slots = [], []
-        for slot, step in list(self.pending.items()):
-            if slot in bad or step <= self.read_through:
+        for slot, (step, key) in list(self.pending.items()):
+            if slot in bad:
                 del self.pending[slot]
-                (failed_slots if slot in bad else done).append(slot)
+                failed_slots.append(slot)
+                self.refused.add(key)
+            elif step <= self.read_through:
+                del self.pending[slot]
+                done.append(slot)
         return done, failed_slots
 
     def written(self, files: Sequence[tuple[bytes, str, int]]) -> None:
@@ -157,6 +177,7 @@ class SchedulerDisk:
         rescan; a block whose every rank is written is noted for KV events."""
         for key, rank, nbytes in files:
             self.store.note_written(key, rank, nbytes)
+            self.refused.discard(key)
             ranks = self._partial.setdefault(key, set())
             ranks.add(rank)
             if ranks.issuperset(self.ranks):
