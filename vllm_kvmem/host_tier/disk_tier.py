@@ -95,14 +95,23 @@ def _key_bytes(key: Hashable) -> bytes:
 class SchedulerDisk:
     """The scheduler's side of the disk tier (one per engine core)."""
 
-    def __init__(self, config: HostTierConfig, vllm_config: Any) -> None:
-        self.store = DiskStore(
+    def __init__(
+        self,
+        config: HostTierConfig,
+        vllm_config: Any,
+        *,
+        store: DiskStore | None = None,
+        ranks: Sequence[str] | None = None,
+    ) -> None:
+        """``store`` and ``ranks``: given instead of made from the configs
+        (tests)."""
+        self.store = store or DiskStore(
             config.disk_path,
             disk_fingerprint(vllm_config, config),
             config.disk_bytes,
             rank=None,
         )
-        self.ranks = _ranks(vllm_config)
+        self.ranks = list(ranks) if ranks is not None else _ranks(vllm_config)
         self.saves: list[tuple[int, bytes]] = []  # this step's demotions
         self.reads: list[tuple[int, bytes]] = []  # this step's reads
         # slot -> (step its read was sent in, block key)
@@ -216,6 +225,7 @@ class WorkerDisk:
             rank=rank,
         )
         self._lock = threading.Lock()
+        self._reads_done = threading.Condition(self._lock)
         self._written: list[tuple[bytes, str, int]] = []
         self._failed: list[tuple[int, int]] = []  # (slot, step)
         self._open: dict[int, int] = {}  # step -> reads not yet done
@@ -282,6 +292,7 @@ class WorkerDisk:
                     self._open[seq] -= 1
                     if not self._open[seq]:
                         del self._open[seq]
+                        self._reads_done.notify_all()
 
     def report(
         self,
@@ -294,6 +305,12 @@ class WorkerDisk:
             failed, self._failed = tuple(self._failed), []
             written, self._written = tuple(self._written), []
         return through, failed, written
+
+    def wait_reads(self, timeout: float | None = None) -> bool:
+        """Wait until every queued read is done; False if ``timeout`` passed
+        first (tests, and nothing on the engine's path)."""
+        with self._reads_done:
+            return self._reads_done.wait_for(lambda: not self._open, timeout)
 
     def counters(self) -> dict[str, int]:
         """The store's counters since the last call (non-zero ones only)."""

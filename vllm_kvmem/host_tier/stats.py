@@ -73,7 +73,13 @@ class HostTierStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         looked = self.data.get("lookup_tokens", 0)
-        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        # The disk tier's counters only when it counted something: a host
+        # tier without one keeps its short log line.
+        out: dict[str, int | float] = {
+            k: self.data.get(k, 0)
+            for k in COUNTERS
+            if not k.startswith("disk_") or self.data.get(k, 0)
+        }
         out["copy_wait_seconds"] = round(float(out["copy_wait_seconds"]), 4)
         for k in GAUGES:
             if k in self.data:

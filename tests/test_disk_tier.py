@@ -1,0 +1,158 @@
+"""The disk tier's wiring into the host tier, without an engine: which host
+victims are written, how a disk hit's slot waits for its read, what the
+workers report and how a failed read is refused (real DiskStores in a
+temporary directory; the engine tests are tests/test_disk_tier_engine.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvmem.host_tier.config import HostTierConfig
+from vllm_kvmem.host_tier.disk_store import DiskStore
+from vllm_kvmem.host_tier.disk_tier import SchedulerDisk, WorkerDisk
+from vllm_kvmem.host_tier.host_index import HostBlockIndex
+from vllm_kvmem.host_tier.load_queue import LoadQueue
+from vllm_kvmem.host_tier.metadata import HostTierWorkerMeta
+from vllm_kvmem.host_tier.slots import HostSlots
+
+FP = {"model": "m", "block_size": 4}
+SLOT_BYTES = 64
+
+
+def _key(i: int) -> bytes:
+    return bytes([i]) * 32 + b"\0\0\0\0"
+
+
+def test_the_index_names_each_policy_victim_before_its_slot_is_reused():
+    idx = HostBlockIndex(2)
+    evicted = []
+    idx.on_evict = lambda key, slot: evicted.append((key, slot))
+    a, b = idx.put("a"), idx.put("b")
+    idx.pin([a])
+    c = idx.put("c")  # "a" is pinned: "b" goes
+    assert evicted == [("b", b)] and c == b
+    idx.drop_slot(c)  # forgotten, not evicted: nothing to write
+    assert evicted == [("b", b)]
+
+
+def test_a_slot_being_read_from_disk_is_held_but_never_matched():
+    slots = HostSlots(4)
+    slot = slots.take_for_disk("k")
+    assert slot is not None and "k" in slots and slots.slot_of("k") is None
+    assert slots.take_for_disk("k") is None  # on its way already
+    slots.filled(slot)
+    assert slots.slot_of("k") == slot
+    other = slots.take_for_disk("x")
+    slots.unfill(other)  # the read failed: forgotten
+    assert "x" not in slots
+
+
+def test_a_load_waits_for_its_disk_reads_and_a_failed_read_is_recomputed():
+    slots = HostSlots(8)
+    loads = LoadQueue(slots, budget_blocks=8)
+    s1, s2 = slots.take_for_disk("a"), slots.take_for_disk("b")
+    loads.add("r", [(s1, 10), (s2, 11)], [], sync=False, waiting={s1, s2})
+    assert loads.step_loads() == []
+    loads.disk_read_done(s1, True)
+    assert loads.step_loads() == []  # one read still running
+    loads.disk_read_done(s2, False)
+    (chunk,) = loads.step_loads()
+    assert (chunk.slots, chunk.blocks, chunk.invalid) == ([s1], [10], [11])
+    assert chunk.last
+
+
+def test_workers_report_reads_in_step_order_and_failures_refuse_the_block(tmp_path):
+    root = str(tmp_path)
+    cfg = HostTierConfig(disk_path=root, disk_bytes=1 << 20)
+    worker = WorkerDisk(
+        cfg, None, "pp0-tp0", store=DiskStore(root, FP, 1 << 20, rank="pp0-tp0")
+    )
+    sched = SchedulerDisk(
+        cfg, None, store=DiskStore(root, FP, 1 << 20), ranks=["pp0-tp0"]
+    )
+    pool = torch.arange(4 * SLOT_BYTES, dtype=torch.int32).to(torch.uint8)
+    pool = pool.view(4, SLOT_BYTES)
+    image = pool.__getitem__
+    try:
+        # Step 1: slot 0's block was evicted from host memory: written.
+        sched.demote(_key(1), 0)
+        saves, reads = sched.take(1)
+        assert saves == [(0, _key(1))] and reads == []
+        worker.step(1, saves, reads, image, set())
+        pool[0].zero_()  # the slot is reused at once: the writer has a copy
+        assert worker.store.flush(timeout=10)
+        through, failed, written = worker.report()
+        assert (through, failed) == (1, ())
+        assert written == ((_key(1), "pp0-tp0", SLOT_BYTES),)
+        sched.written(written)
+        assert sched.take_stored() == [_key(1)]
+        assert sched.lookup([_key(1), _key(2)]) == 1
+        sched.demote(_key(1), 3)  # whole on disk already: nothing to write
+        assert sched.take(2) == ([], [])
+
+        # Step 3: read it into slot 2, and a block with no file into slot 3.
+        sched.read(2, _key(1))
+        sched.read(3, _key(9))
+        saves, reads = sched.take(3)
+        worker.step(3, saves, reads, image, set())
+        assert worker.wait_reads(timeout=10)
+        through, failed, _ = worker.report()
+        assert through == 3
+        done, failed = sched.reported(through, failed)
+        assert (done, failed) == ([2], [3])
+        expected = torch.arange(SLOT_BYTES, dtype=torch.int32).to(torch.uint8)
+        assert torch.equal(pool[2], expected)
+        # A block whose read failed is not offered again until rewritten.
+        sched.store.note_written(_key(9), "pp0-tp0", SLOT_BYTES)
+        assert sched.lookup([_key(9)]) == 0
+        sched.written([(_key(9), "pp0-tp0", SLOT_BYTES)])
+        assert sched.lookup([_key(9)]) == 1
+    finally:
+        worker.close()
+        sched.close()
+
+
+def test_worker_answers_aggregate_as_every_worker_must_agree():
+    a = HostTierWorkerMeta(5, (), 4, ((1, 3),), ((b"k", "pp0-tp0", 8),))
+    b = HostTierWorkerMeta(6, (), 2, ((2, 3),), ((b"k", "pp1-tp0", 8),))
+    both = a.aggregate(b)
+    assert both.disk_read_through == 2
+    assert both.disk_failed_reads == ((1, 3), (2, 3))
+    assert {r for _, r, _ in both.disk_written} == {"pp0-tp0", "pp1-tp0"}
+
+
+def test_a_block_whole_on_disk_is_announced_on_vllms_storage_medium():
+    """``BlockStored`` with ``medium="STORAGE"`` (vLLM's name for a disk
+    tier), with the tokens of the block's host event when it is known."""
+    from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
+    from vllm.v1.core.kv_cache_utils import (
+        make_block_hash_with_group_id,
+        maybe_convert_block_hash,
+    )
+
+    from vllm_kvmem.host_tier.host_index import STORED
+    from vllm_kvmem.host_tier.kv_events import HostKVEvents
+
+    events = HostKVEvents(block_size=4)
+    events.enabled = True
+    known, unknown = b"\1" * 32, b"\2" * 32
+    external = maybe_convert_block_hash(known)  # as vLLM's events name it
+    events.device[external, 0] = BlockStored(
+        block_hashes=[external],
+        parent_block_hash=None,
+        token_ids=[1, 2, 3, 4],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+    )
+    events.add([(STORED, make_block_hash_with_group_id(known, 0))])
+    events.take()
+    events.stored_on_disk(
+        [make_block_hash_with_group_id(h, 0) for h in (known, unknown)]
+    )
+    with_tokens, without = events.take()
+    assert with_tokens.medium == without.medium == MEDIUM_STORAGE
+    assert with_tokens.token_ids == [1, 2, 3, 4] and without.token_ids == []
+    assert without.block_hashes == [maybe_convert_block_hash(unknown)]
