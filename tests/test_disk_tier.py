@@ -156,3 +156,41 @@ def test_a_block_whole_on_disk_is_announced_on_vllms_storage_medium():
     assert with_tokens.medium == without.medium == MEDIUM_STORAGE
     assert with_tokens.token_ids == [1, 2, 3, 4] and without.token_ids == []
     assert without.block_hashes == [maybe_convert_block_hash(unknown)]
+
+
+def test_after_a_prefix_cache_reset_nothing_is_read_or_written(tmp_path):
+    root = str(tmp_path)
+    cfg = HostTierConfig(disk_path=root, disk_bytes=1 << 20)
+    sched = SchedulerDisk(
+        cfg, None, store=DiskStore(root, FP, 1 << 20), ranks=["pp0-tp0"]
+    )
+    try:
+        sched.written([(_key(1), "pp0-tp0", SLOT_BYTES)])
+        assert sched.lookup([_key(1)]) == 1
+        sched.active = False  # HostTierScheduler.reset_cache
+        sched.demote(_key(2), 0)
+        assert sched.lookup([_key(1)]) == 0 and sched.take(1) == ([], [])
+    finally:
+        sched.close()
+
+
+def test_disk_counters_and_gauge_are_in_the_tiers_metric_families():
+    from vllm_kvmem.host_tier.disk_store import DISK_COUNTERS, DISK_GAUGES
+    from vllm_kvmem.host_tier.stats import (
+        COUNTERS,
+        GAUGE_DOCS,
+        GAUGES,
+        METRIC_DOCS,
+        HostTierStats,
+    )
+
+    assert set(DISK_COUNTERS) <= set(COUNTERS) and set(COUNTERS) == set(METRIC_DOCS)
+    assert set(DISK_GAUGES) <= set(GAUGES) and set(GAUGES) == set(GAUGE_DOCS)
+    stats = HostTierStats()
+    stats.reset()
+    other = HostTierStats()
+    other.reset()
+    other.data.update(disk_hits=3, disk_bytes_in_use=7)
+    reduced = stats.aggregate(other).aggregate(other).reduce()
+    assert reduced["disk_hits"] == 6 and reduced["disk_bytes_in_use"] == 7
+    assert "disk_misses" not in reduced  # nothing counted: not in the log line

@@ -41,7 +41,10 @@ Where each part lives:
   live), ``wait_timer`` (the compute stream's waits on copies);
   ``disk_store`` and ``disk_files``: the file store of a second tier behind
   host memory (fingerprinted, checksummed, atomic block files with a byte
-  budget; not wired into the scheduler and workers yet).
+  budget);
+- ``disk_tier``: that store wired in: the host index's victims written to
+  disk, disk hits read into host slots on each worker's loader thread and
+  loaded from there (``--kv-disk-cache-path``).
 
 The folder imports only vLLM and itself. The plugin's set-up of the tier
 (``--kv-host-cache-*`` turned into the connector's config, the host memory

@@ -125,18 +125,23 @@ class SchedulerDisk:
         # taken as KV events.
         self.stored: list[bytes] = []
         self._partial: dict[bytes, set[str]] = {}
+        # False after a prefix-cache reset: no new reads or writes (reads in
+        # flight still finish and are reported).
+        self.active = True
 
     def demote(self, key: Hashable, slot: int) -> None:
         """The host index evicted ``key`` from ``slot``: the workers write the
         slot to disk before this step's copies reuse it (nothing to write if
         the block is whole on disk already)."""
         key = _key_bytes(key)
-        if not self.store.contains(key, self.ranks):
+        if self.active and not self.store.contains(key, self.ranks):
             self.saves.append((slot, key))
 
     def lookup(self, keys: Sequence[Hashable]) -> int:
         """How many of ``keys``, in prefix order, are whole on disk (and not
         refused by a failed read)."""
+        if not self.active:
+            return 0
         names = [_key_bytes(k) for k in keys]
         n = self.store.lookup(names, self.ranks)
         if self.refused:

@@ -285,6 +285,15 @@ class HostTierScheduler(CountsStats):
         self.free_queue.reset()
         self.events.add(self.slots.take_notes())
         logger.info("Host KV tier reset: all host blocks dropped.")
+        if self.disk is not None and self.disk.active:
+            # The files cannot be told apart from ones written after the
+            # reset, nor removed under other engines sharing the directory.
+            self.disk.active = False
+            logger.warning(
+                "Disk KV tier stopped after the prefix-cache reset: blocks on "
+                "disk may hold KV of the weights before it, so this engine no "
+                "longer reads or writes them (restart to use it again)."
+            )
         return True
 
     def host_bytes_in_use(self) -> int:
