@@ -194,3 +194,65 @@ def test_disk_counters_and_gauge_are_in_the_tiers_metric_families():
     reduced = stats.aggregate(other).aggregate(other).reduce()
     assert reduced["disk_hits"] == 6 and reduced["disk_bytes_in_use"] == 7
     assert "disk_misses" not in reduced  # nothing counted: not in the log line
+
+
+class _Request:
+    """The fields of vLLM's ``Request`` that matching reads."""
+
+    def __init__(self, block_hashes: list[bytes], num_tokens: int) -> None:
+        self.request_id = "r"
+        self.block_hashes = block_hashes
+        self.num_tokens = num_tokens
+
+
+def test_a_prefix_split_over_device_host_and_disk_gets_all_three(tmp_path):
+    """Block 0 on the device (vLLM's hit), 1-2 in host memory, 3-4 on disk,
+    5 nowhere: the tier offers 1-4, asynchronously; the host blocks load at
+    once with the disk ones once their reads are done."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import (
+        KVCacheBlock,
+        make_block_hash_with_group_id,
+    )
+
+    from vllm_kvmem.host_tier.matching import HostMatcher
+    from vllm_kvmem.host_tier.support import GroupWindow
+
+    bs = 4
+    hashes = [bytes([i + 1]) * 32 for i in range(6)]
+    keys = [make_block_hash_with_group_id(h, 0) for h in hashes]
+    root = str(tmp_path)
+    sched = SchedulerDisk(
+        HostTierConfig(disk_path=root, disk_bytes=1 << 20),
+        None,
+        store=DiskStore(root, FP, 1 << 20),
+        ranks=["pp0-tp0"],
+    )
+    try:
+        slots = HostSlots(8)
+        loads = LoadQueue(slots, budget_blocks=8)
+        matcher = HostMatcher(
+            slots, (GroupWindow(0),), bs, loads, lambda **_: None, sched
+        )
+        host = {pos: slots.take_for_save(keys[pos]) for pos in (1, 2)}
+        slots.end_step()
+        sched.written([(keys[pos], "pp0-tp0", 64) for pos in (3, 4)])
+        request = _Request(hashes, 6 * bs + 1)
+        assert matcher.match(request, bs) == (4 * bs, True)
+        blocks = KVCacheBlocks(([KVCacheBlock(100 + i) for i in range(6)],))
+        matcher.claim(request, blocks, 4 * bs)
+        saves, reads = sched.take(1)
+        disk_slots = [slot for slot, _ in reads]
+        assert [key for _, key in reads] == [keys[3], keys[4]]
+        assert loads.step_loads() == []  # waiting for the reads
+        done, failed = sched.reported(1, [])
+        assert sorted(done) == sorted(disk_slots) and failed == []
+        for slot in done:
+            slots.filled(slot)
+            loads.disk_read_done(slot, True)
+        (chunk,) = loads.step_loads()
+        assert chunk.blocks == [101, 102, 103, 104]
+        assert chunk.slots == [host[1], host[2], *disk_slots]
+        assert slots.slot_of(keys[3]) == disk_slots[0]  # matchable from now on
+    finally:
+        sched.close()

@@ -163,12 +163,12 @@ class HostMatcher:
         host slot each (added to ``slots``): the new end and the slots to
         read into."""
         gid = self.groups[0].group_id
-        keys = [
-            make_block_hash_with_group_id(block_hashes[pos], gid)
-            for pos in range(end, stop)
-        ]
         disk: dict[int, bytes] = {}
-        for key in keys[: self.disk.lookup(keys)]:
+        while end < stop:
+            # One block at a time: most lookups end at the first block.
+            key = make_block_hash_with_group_id(block_hashes[end], gid)
+            if not self.disk.lookup([key]):
+                break
             slot = self.slots.take_for_disk(key)
             if slot is None:
                 break  # every slot pinned, or the block on its way already
