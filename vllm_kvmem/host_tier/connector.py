@@ -104,12 +104,12 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=hit_groups(kv_cache_config) if self.enabled else (),
             )
         else:
-            disk = None
+            # The disk tier behind the host, made once the rank is known.
+            disk: Callable[[], WorkerDisk] | None = None
             if self.enabled and self.config.disk_path and disk_serves(kv_cache_config):
-                config = self.config
-
-                def disk() -> WorkerDisk:
-                    return WorkerDisk.for_this_rank(config, vllm_config)
+                disk = functools.partial(
+                    WorkerDisk.for_this_rank, self.config, vllm_config
+                )
 
             self.connector_worker = HostTierWorker(
                 kv_cache_config,
