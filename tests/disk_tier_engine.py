@@ -1,12 +1,13 @@
 """One engine of the disk tier's tests: ``python tests/disk_tier_engine.py
 '{json}'`` with ``model``, ``disk`` (a directory, or null: no disk tier),
 ``host`` (host tier bytes, or null: no tier at all), ``docs`` (how many
-documents) and ``phases`` (lists of document indices, generated one list
-at a time). The engine core and the worker run in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the script reads the tier's
-counters on both sides; it prints one ``REPORT {json}`` line with every
-phase's greedy tokens and cached-token counts, the scheduler's and the
-worker's counters, after the worker's disk writes are done.
+documents), ``llm`` (more ``LLM`` arguments, optional) and ``phases`` (lists
+of document indices, generated one list at a time). The engine core runs in
+this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and so does the worker
+at TP=1, so the script reads the tier's counters on both sides; it prints
+one ``REPORT {json}`` line with every phase's greedy tokens and cached-token
+counts, the scheduler's counters and (TP=1) the worker's, after the
+worker's disk writes are done.
 
 Run by tests/test_disk_tier_engine.py, one process per engine (a restart is
 a second process on the same directory).
@@ -34,6 +35,7 @@ def main(args: dict) -> dict:
     extra = {}
     if args["disk"]:
         extra = dict(kv_disk_cache_path=args["disk"], kv_disk_cache_bytes=1 << 30)
+    extra.update(args.get("llm", {}))
     kw = host_tier_kwargs(
         args["model"], args["host"] is not None, enforce_eager=True, **extra
     )
@@ -55,12 +57,13 @@ def main(args: dict) -> dict:
     if args["host"] is not None:
         core = llm.llm_engine.engine_core.engine_core
         tier = core.scheduler.connector.connector_scheduler
-        worker = get_kv_transfer_group().connector_worker
-        if worker._disk is not None:
-            assert worker._disk.store.flush(timeout=60), "disk writes stuck"
-        worker.stats()  # fold the disk counters in
         report["scheduler"] = dict(tier.totals)
-        report["worker"] = dict(worker.totals)
+        if kw.get("tensor_parallel_size", 1) == 1:  # the worker is in here
+            worker = get_kv_transfer_group().connector_worker
+            if worker._disk is not None:
+                assert worker._disk.store.flush(timeout=60), "disk writes stuck"
+            worker.stats()  # fold the disk counters in
+            report["worker"] = dict(worker.totals)
         if tier.disk is not None:
             report["disk_bytes_in_use"] = tier.disk.bytes_in_use()
     return report
