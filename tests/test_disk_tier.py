@@ -256,3 +256,33 @@ def test_a_prefix_split_over_device_host_and_disk_gets_all_three(tmp_path):
         assert slots.slot_of(keys[3]) == disk_slots[0]  # matchable from now on
     finally:
         sched.close()
+
+
+def test_an_idle_step_waits_for_its_disk_reads_and_a_busy_step_does_not(tmp_path):
+    """A step that computes nothing (its requests wait for disk reads) waits
+    for them, bounded, off the GIL, at the end of the step; a step with a
+    forward pass never does."""
+    from vllm_kvmem.host_tier.metadata import HostTierMetadata
+    from vllm_kvmem.host_tier.worker import IDLE_READ_WAIT_SECONDS, HostTierWorker
+
+    root = str(tmp_path)
+    cfg = HostTierConfig(disk_path=root, disk_bytes=1 << 20)
+    disk = WorkerDisk(
+        cfg, None, "pp0-tp0", store=DiskStore(root, FP, 1 << 20, rank="pp0-tp0")
+    )
+    pool = torch.zeros(2, SLOT_BYTES, dtype=torch.uint8)
+    worker = HostTierWorker(None, enabled=True, num_slots=2, verify=False)
+    worker._engine = type("Engine", (), {"slot_image": staticmethod(pool.__getitem__)})
+    worker._disk = disk
+    waits: list[float | None] = []
+    real_wait = disk.wait_reads
+    disk.wait_reads = lambda timeout=None: waits.append(timeout) or real_wait(timeout)
+    try:
+        for seq, idle in ((1, False), (2, True), (3, False)):
+            meta = HostTierMetadata(seq=seq, disk_reads=[(0, _key(seq))], idle=idle)
+            worker.handle_preemptions(meta)
+            worker.build_connector_worker_meta()
+            assert waits == ([IDLE_READ_WAIT_SECONDS] if seq >= 2 else [])
+    finally:
+        worker._engine = None  # no host pool to release
+        worker.shutdown()

@@ -52,6 +52,11 @@ class HostTierMetadata(KVConnectorMetadata):
     # read disk blocks into in the background, as (slot, block key).
     disk_saves: list[tuple[int, bytes]] = field(default_factory=list)
     disk_reads: list[tuple[int, bytes]] = field(default_factory=list)
+    # The step schedules no tokens (its requests wait for loads): a worker
+    # whose disk reads are in flight waits for them a little, off the GIL,
+    # instead of returning to a loop of empty steps that starves its loader
+    # thread of the GIL.
+    idle: bool = False
 
 
 @dataclass

@@ -188,6 +188,7 @@ class HostTierScheduler(CountsStats):
             # After every eviction of this step (saves, hits): the workers
             # write the victims before the step's copies reuse their slots.
             meta.disk_saves, meta.disk_reads = self.disk.take(self._seq)
+            meta.idle = not scheduler_output.total_num_scheduled_tokens
         slots.sent(self._seq, meta.evict_saves + meta.ahead_saves)
         slots.end_step()
         self.events.add(slots.take_notes())
