@@ -20,6 +20,8 @@ import tempfile
 import time
 import zlib
 
+from _page_cache import drop_page_cache
+
 from vllm_kvmem.host_tier import disk_files as df
 from vllm_kvmem.host_tier.disk_store import DiskStore
 
@@ -47,11 +49,7 @@ def _write(root: str, blocks: int, size: int, fsync: bool) -> tuple[float, DiskS
 def _read(store: DiskStore, blocks: int, size: int, cold: bool) -> float:
     hashes = _hashes(blocks)
     if cold:
-        os.sync()
-        for h in hashes:
-            fd = os.open(df.block_path(store.dir, h, RANK), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        drop_page_cache(df.block_path(store.dir, h, RANK) for h in hashes)
     out = bytearray(size)
     started = time.perf_counter()
     for h in hashes:

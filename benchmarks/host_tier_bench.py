@@ -32,6 +32,19 @@ machine hits them alike:
 * ``device``: no connector and a device KV cache that holds every document,
   so a revisit is a device prefix hit: the ceiling a host hit can approach
   (run at reuse levels above 0 only).
+* ``disk``: the host tier at ``--disk-host-prompts`` prompts (1 by default,
+  so revisited documents have left host memory too) with the disk tier
+  behind it (``--kv-disk-cache-path`` in a fresh directory under
+  ``--disk-dir``). Before each measured revisit the benchmark waits for the
+  tier's writes, then drops the block files from the page cache, so a disk
+  hit's TTFT is the disk's and not RAM's.
+* ``disk_restart``: the same, but the seed phase runs in one engine (which
+  stops, waiting for its writes) and the measured phase in a new engine on
+  the same directory, page cache dropped: a disk hit after a restart (reuse
+  levels above 0 only).
+* ``host_small``: the host tier of the ``disk`` arm's size without a disk
+  tier (0% reuse only): the baseline of "throughput with the disk tier
+  configured against without it".
 
 The vllm-kvmem plugin is loaded in every run (it is a no-op without the
 option). Each run starts vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
@@ -69,7 +82,8 @@ new engine. ``--no-fork`` spawns a fresh interpreter per run instead.
 Usage::
 
     python benchmarks/host_tier_bench.py [--quick] [--reuse 0,0.25,0.5,0.75,1]
-        [--configs none,host,example,device] [--docs N] [--requests N]
+        [--configs none,host,example,device,host_small,disk,disk_restart]
+        [--docs N] [--requests N] [--disk-dir DIR]
         [--out benchmarks/results/host_tier_cpu.json]
 
 Prints a table and PASS/FAIL lines for the issue's targets; writes JSON and a
@@ -102,6 +116,7 @@ if str(ROOT) not in sys.path:  # run from a checkout that is not installed
 from _host_tier_figures import (  # noqa: E402
     BLOCK_SIZE,
     CONFIGS,
+    DISK_CONFIGS,
     evaluate_targets,
     hit_vs_recompute,
     outputs_identical,
@@ -117,6 +132,7 @@ from _host_tier_workload import (  # noqa: E402
     build_schedule,
 )
 from _model import ModelShape, PublishedShape  # noqa: E402
+from _page_cache import drop_tree, filesystem_of  # noqa: E402
 from _report import finish, print_targets, provenance, versions, write_json  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -138,6 +154,19 @@ QUICK_MODEL = ModelShape(num_layers=2, hidden_size=256, num_heads=4, num_kv_head
 def _connector(llm: Any) -> Any:
     """The scheduler-side connector of an in-process engine (or None)."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
+def _worker_disk(tier: Any) -> Any:
+    """The disk tier of the in-process worker (TP=1), or None."""
+    if tier is None or getattr(tier, "disk", None) is None:
+        return None
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return getattr(get_kv_transfer_group().connector_worker, "_disk", None)
+
+
+def _disk_reads(disk: Any) -> int:
+    return disk.store.stats().hits if disk is not None else 0
 
 
 def _host_counters(tier: Any) -> dict[str, int] | None:
@@ -164,6 +193,8 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     scheduler = engine.engine_core.engine_core.scheduler
     connector = _connector(llm)
     tier = getattr(connector, "connector_scheduler", None)  # the host tier's
+    disk = _worker_disk(tier)
+    disk_dir = spec["llm_kwargs"].get("kv_disk_cache_path")
     builder = PromptBuilder(Path(spec["llm_kwargs"]["model"]), spec["doc_tokens"])
     prompts = [builder.prompt(op["doc"], op["question"]) for op in spec["schedule"]]
     params = SamplingParams(
@@ -175,7 +206,16 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
     for i, (op, ids) in enumerate(zip(spec["schedule"], prompts)):
         if op["kind"] in ("new", "revisit") and phase_start is None:
             phase_start = time.perf_counter()
+        dropped = None
+        if spec.get("drop_page_cache") and op["kind"] == "revisit":
+            # Untimed: the tier's queued writes land (a server would not
+            # wait, but a dirty page cannot be dropped), then the files
+            # leave the page cache.
+            if disk is not None:
+                assert disk.store.flush(timeout=120), "disk tier writes stuck"
+            dropped = drop_tree(disk_dir)
         before = _host_counters(tier)
+        reads_before = _disk_reads(disk)
         first = final = None
         t0 = time.perf_counter()
         engine.add_request(f"req-{i}", TokensPrompt(prompt_token_ids=ids), params)
@@ -196,6 +236,9 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
             "cached_tokens": final.num_cached_tokens or 0,
             "token_ids": list(final.outputs[0].token_ids),
         }
+        if disk is not None:
+            rec["disk_read_blocks"] = _disk_reads(disk) - reads_before
+            rec["page_cache_dropped_files"] = dropped
         if before is not None and after is not None:
             rec["host_hit_blocks"] = after["hit_blocks"] - before["hit_blocks"]
             rec["host_lookup_blocks"] = after["lookup_blocks"] - before["lookup_blocks"]
@@ -217,6 +260,12 @@ def run_config(spec: dict[str, Any]) -> dict[str, Any]:
         result["host_counters"] = _host_counters(tier)
         result["host_bytes_in_use"] = tier.host_bytes_in_use()
         result["host_num_slots"] = tier.num_slots
+    if disk is not None:
+        if spec.get("drain_disk"):  # the next engine reads what this one wrote
+            assert disk.store.flush(timeout=300), "disk tier writes stuck"
+        stats = disk.store.stats()
+        result["disk_counters"] = stats.as_metrics()
+        result["disk_bytes_in_use"] = tier.disk.bytes_in_use()
     storage = spec.get("example_storage")
     if storage:
         files = [p for p in Path(storage).rglob("*") if p.is_file()]
@@ -340,8 +389,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         type=_configs,
-        default=list(CONFIGS),
-        help="comma-separated subset of none,host,example,device (default: all)",
+        default=["none", "host", "example", "device"],
+        help="comma-separated subset of none,host,example,device,host_small,disk,"
+        "disk_restart (default: none,host,example,device)",
     )
     parser.add_argument(
         "--reuse",
@@ -407,6 +457,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="redraw the PNG and reprint the table of an earlier JSON, run nothing",
+    )
+    parser.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=None,
+        help="where the disk arms' directories go, one per run, removed after "
+        "(default: a temporary directory under /var/tmp); the filesystem it "
+        "sits on is recorded",
+    )
+    parser.add_argument(
+        "--disk-host-prompts",
+        type=float,
+        default=1.0,
+        help="host tier size of the disk and host_small arms, in prompts "
+        "(default 1: a revisited document has left host memory)",
     )
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden-size", type=int, default=None)
@@ -475,6 +540,7 @@ def plan_sizes(args: argparse.Namespace) -> dict[str, Any]:
         )
     max_docs = pool + args.requests + 1  # + the warm-up document
     host_blocks = math.ceil(1.25 * max_docs * prompt_blocks)
+    small_host_blocks = math.ceil(args.disk_host_prompts * prompt_blocks)
     return {
         "block_size": BLOCK_SIZE,
         "block_bytes": block_bytes,
@@ -484,6 +550,9 @@ def plan_sizes(args: argparse.Namespace) -> dict[str, Any]:
         "device_kv_bytes": device_blocks * block_bytes,
         "pool_docs": pool,
         "host_kv_bytes": host_blocks * block_bytes,
+        "small_host_kv_bytes": small_host_blocks * block_bytes,
+        # Room for the whole working set and the files' headers.
+        "disk_kv_bytes": 2 * host_blocks * block_bytes,
     }
 
 
@@ -494,6 +563,7 @@ def llm_kwargs(
     storage: str | None,
     shape: ModelShape | PublishedShape = FULL_MODEL,
 ) -> dict[str, Any]:
+    """``storage``: ExampleConnector's directory, or the disk tier's."""
     kw: dict[str, Any] = {
         "model": str(model),
         **shape.engine_kwargs(),
@@ -508,6 +578,12 @@ def llm_kwargs(
     if config == "host":
         kw["kv_host_cache_bytes"] = sizes["host_kv_bytes"]
         kw["kv_host_cache_policy"] = "lru"
+    elif config in ("host_small", "disk", "disk_restart"):
+        kw["kv_host_cache_bytes"] = sizes["small_host_kv_bytes"]
+        kw["kv_host_cache_policy"] = "lru"
+        if config != "host_small":
+            kw["kv_disk_cache_path"] = storage
+            kw["kv_disk_cache_bytes"] = sizes["disk_kv_bytes"]
     elif config == "device":  # the whole working set fits: revisits hit it
         kw["kv_cache_memory_bytes"] = sizes["host_kv_bytes"]
     elif config == "example":
@@ -537,12 +613,17 @@ def main(argv: list[str] | None = None) -> int:
         repeats = args.zero_repeats if reuse == 0 else args.repeats
         for rep in range(repeats):
             for config in args.configs:
-                if config == "device" and reuse == 0:
-                    continue  # a bigger device cache says nothing without reuse
+                if config in ("device", "disk_restart") and reuse == 0:
+                    continue  # nothing comes back without reuse
+                if config == "host_small" and reuse > 0:
+                    continue  # the disk arm's baseline at 0% reuse only
                 plan.append((reuse, rep, config))
 
     runs: list[dict[str, Any]] = []
     t_begin = time.time()
+    disk_root = args.disk_dir or Path("/var/tmp")
+    disk_root.mkdir(parents=True, exist_ok=True)
+    disk_fs = filesystem_of(disk_root)
     with tempfile.TemporaryDirectory(prefix="host_tier_bench.") as tmp:
         workdir = Path(tmp)
         runner = Runner(workdir, fork=not args.no_fork)
@@ -555,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
                     if config == "example":
                         storage = str(workdir / f"example-{n}")
                         os.makedirs(storage)
+                    elif config in DISK_CONFIGS:
+                        storage = tempfile.mkdtemp(
+                            prefix=f"host_tier_bench-{n}.", dir=disk_root
+                        )
                     spec = {
                         "llm_kwargs": llm_kwargs(
                             config, model, sizes, storage, args.shape
@@ -567,6 +652,31 @@ def main(argv: list[str] | None = None) -> int:
                         "log_path": str(workdir / f"run-{n}.log"),
                         "result_path": str(workdir / f"run-{n}.json"),
                     }
+                    writer = None
+                    if config == "disk_restart":
+                        # The seed phase in an engine of its own, which stops;
+                        # the measured phase in a new one, same directory.
+                        first = next(
+                            i
+                            for i, op in enumerate(schedule)
+                            if op["kind"] in ("new", "revisit")
+                        )
+                        wspec = {
+                            **spec,
+                            "schedule": schedule[:first],
+                            "drain_disk": True,
+                            "log_path": str(workdir / f"run-{n}-writer.log"),
+                            "result_path": str(workdir / f"run-{n}-writer.json"),
+                        }
+                        wrc, wresult, wlog = runner.run(wspec)
+                        writer = {"returncode": wrc}
+                        if wresult is not None:
+                            writer["disk_counters"] = wresult.get("disk_counters")
+                        if wrc != 0:
+                            writer["error_log_tail"] = wlog[-4000:]
+                        spec["schedule"] = schedule[:1] + schedule[first:]
+                    if config in DISK_CONFIGS:
+                        spec["drop_page_cache"] = True
                     load_before = os.getloadavg()
                     rc, result, log = runner.run(spec)
                     if storage:
@@ -586,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
                         "result": result,
                         "summary": None,
                     }
+                    if writer is not None:
+                        run["writer"] = writer
                     if rc != 0 or result is None:
                         run["error_log_tail"] = log[-4000:]
                         tqdm.write(
@@ -630,6 +742,9 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "torch_threads": args.threads,
             "device_num_blocks": engine.get("num_device_blocks"),
+            "disk_dir_filesystem": disk_fs
+            if any(c in DISK_CONFIGS for c in args.configs)
+            else None,
             "description": "document + short question per request, sequential; "
             "reuse r: a fraction r of measured requests revisit the least "
             "recently used document (evicted from the device), the rest open a "
@@ -667,6 +782,10 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "hit_vs_recompute": hits,
         "throughput_ratio_host_vs_none": paired_ratios(runs),
+        "throughput_ratio_disk_vs_host_small": paired_ratios(
+            runs, "disk", "host_small"
+        ),
+        "throughput_ratio_disk_vs_none": paired_ratios(runs, "disk", "none"),
         "outputs_identical": all(known) if known else None,
         "outputs_identical_by_reuse": identical,
         "example_outputs_identical_by_reuse": example_identical,
