@@ -809,3 +809,22 @@ def test_best_partition_is_fast_for_128_layers_4_stages() -> None:
 
 
 # ------------------------------------------------------------------ core
+
+
+def test_host_and_disk_tiers_in_blocks_and_tokens(llama: Path) -> None:
+    """--kv-host-cache-bytes per TP shard holds one slot per block for every
+    stage; --kv-disk-cache-bytes covers every rank's file, header included."""
+    p = planner.plan(
+        llama, pp=2, budget_bytes="16G", max_model_len=8192,
+        host_bytes="8G", disk_bytes="1G",
+    )  # fmt: skip
+    host, disk = p.tiers
+    # Two stages of 1 MiB per block: a host slot is 2 MiB, 4,096 of them.
+    assert (host.block_bytes, host.blocks, host.tokens) == (2 * MiB, 4096, 65_536)
+    assert host.vs_device == pytest.approx(65_536 / 262_144)
+    assert disk.block_bytes == 2 * MiB + 2 * 128 and disk.blocks == 511
+    text = planner.format_plan(p)
+    assert "--kv-disk-cache-bytes" in text and "65,536" in text
+    assert planner.plan_to_dict(p)["tiers"][1]["blocks"] == 511
+    with pytest.raises(ValueError, match="--kv-disk-cache-bytes='1G'.*host"):
+        planner.plan(llama, max_model_len=8192, disk_bytes="1G")

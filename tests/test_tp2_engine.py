@@ -327,10 +327,28 @@ def test_pipeline_of_two_at_tp2_serves_the_tier_as_tp2(model_8l, vllm_python):
     request served as by the TP=2 engine on 0.32 (output, cached tokens,
     predictions, host hits included): on either release, the tier's output
     is the output without it."""
+    from vllm_kvmem.planner import plan
+
     run = pipeline(model_8l, vllm_python)
     _blhnc(run["ranks"])
     _host_slices(run)
     _events_exact(run)
+    # `kvmem plan --kv-host-cache-bytes` counts the blocks the engine holds.
+    host, disk = plan(
+        model_8l,
+        tp=TP,
+        pp=2,
+        partition=PARTITION,
+        dtype="float32",
+        platform="cpu",
+        max_model_len=2048,
+        host_bytes=HOST_KV,
+        disk_bytes=HOST_KV,
+    ).tiers
+    assert host.blocks == run["host_slots"] == HOST_SLOTS
+    # A disk block is every rank's slice, one file each with its header.
+    slices = sum(r["host_pool"]["slot_bytes"] for r in run["ranks"])
+    assert disk.block_bytes == slices + len(run["ranks"]) * 128
     assert run["host_hit_tokens"] >= 16 * 128
     keys = ("token_ids", "cached", "predicted", "predicted_host")
     tp2 = tier_on(model_8l)

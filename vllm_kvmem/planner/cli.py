@@ -118,6 +118,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="as vLLM's flag: size sliding-window layers like full attention when "
         "mixed with full-attention layers",
     )
+    parser.add_argument(
+        "--kv-host-cache-bytes",
+        default=None,
+        help="the host tier's size per TP shard (8G): its capacity in blocks and "
+        "tokens next to the device's",
+    )
+    parser.add_argument(
+        "--kv-disk-cache-bytes",
+        default=None,
+        help="the disk tier's size, its whole directory (500G): its capacity in "
+        "blocks and tokens (needs --kv-host-cache-bytes, as the engine does)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
     trace = parser.add_argument_group(
         "sizing the host tier from a workload (docs/kv-planning.md)"
@@ -193,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         target_concurrency=args.target_concurrency,
         device_memory=devices,
         reserve_memory=args.reserve_memory,
+        host_bytes=args.kv_host_cache_bytes,
+        disk_bytes=args.kv_disk_cache_bytes,
     )
     if args.json:
         print(json.dumps(plan_to_dict(result), indent=2))

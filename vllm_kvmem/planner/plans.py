@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm_kvmem.core.units import flag_size, format_bytes, parse_positive_size
+from vllm_kvmem.host_tier.disk_files import HEADER_BYTES
 from vllm_kvmem.planner import kv_math as km
 from vllm_kvmem.planner.costs import KindRow, KVCosts, StageRow
 from vllm_kvmem.planner.model import ModelInfo, as_model
@@ -40,7 +41,23 @@ class Plan:
     tokens_capacity: km.Capacity | None = None
     target: km.BudgetNeed | None = None
     hetero: Recommendation | None = None
+    tiers: list[TierRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TierRow:
+    """What ``--kv-host-cache-bytes`` or ``--kv-disk-cache-bytes`` holds, in
+    the units the device KV cache is reported in."""
+
+    tier: str  # "host" or "disk"
+    flag: str
+    bytes: int
+    block_bytes: int  # one block in that tier, as its flag counts it
+    blocks: int
+    tokens: int
+    vs_device: float | None  # tokens over the device KV cache's
+    scope: str
 
 
 def plan_capacity(
@@ -141,9 +158,13 @@ def plan(
     target_concurrency: float | None = None,
     device_memory: Sequence[int | str] | None = None,
     reserve_memory: int | str = DEFAULT_RESERVE,
+    host_bytes: int | str | None = None,
+    disk_bytes: int | str | None = None,
     **overrides: Any,
 ) -> Plan:
-    """The whole report: KV costs, both budget modes, a target, a partition.
+    """The whole report: KV costs, both budget modes, a target, a partition,
+    and the host and disk tiers' capacity (``--kv-host-cache-bytes``,
+    ``--kv-disk-cache-bytes``).
 
     Engine options: ``options``, or its fields as keywords (:class:`Options`);
     ``pp`` defaults to the number of ``device_memory`` entries, else 1.
@@ -194,6 +215,7 @@ def plan(
             max_model_len=setup.max_model_len,
         )
     out.hetero = hetero
+    out.tiers = tier_rows(out, host_bytes, disk_bytes)
     if any(k.kind == km.LayerKind.SLIDING for k in out.kinds):
         out.notes.append(
             "sliding-window blocks per request depend on max_num_batched_tokens "
@@ -202,6 +224,66 @@ def plan(
             "(--max-num-batched-tokens, --max-concurrent-batches)"
         )
     return out
+
+
+def tier_rows(
+    p: Plan, host_bytes: int | str | None, disk_bytes: int | str | None
+) -> list[TierRow]:
+    """The host tier holds one slot per block for every stage's layers of one
+    TP shard (``--kv-host-cache-bytes`` is per TP shard); the disk tier's
+    budget covers its whole directory: a file per block for every rank, each
+    with a header."""
+    if disk_bytes is not None and host_bytes is None:
+        raise ValueError(
+            f"--kv-disk-cache-bytes={disk_bytes!r}: the disk tier sits behind the "
+            "host tier; give --kv-host-cache-bytes too"
+        )
+    s = p.setup
+    device = _device_tokens(p)
+    slot = sum(st.bytes_per_block for st in p.stages)
+    specs = []
+    if host_bytes is not None:
+        n = parse_positive_size(host_bytes, flag="--kv-host-cache-bytes")
+        specs.append(("host", "--kv-host-cache-bytes", n, slot, "per TP shard"))
+    if disk_bytes is not None:
+        n = parse_positive_size(disk_bytes, flag="--kv-disk-cache-bytes")
+        files = s.tp * s.pp
+        specs.append(
+            (
+                "disk",
+                "--kv-disk-cache-bytes",
+                n,
+                s.tp * slot + files * HEADER_BYTES,
+                f"the whole directory: {files} file(s) per block (every TP and "
+                f"PP rank), {HEADER_BYTES}-byte headers included; over budget "
+                "it evicts down to 90%",
+            )
+        )
+    rows = []
+    for tier, flag, n, block_bytes, scope in specs:
+        blocks = n // block_bytes
+        tokens = blocks * s.block_size
+        rows.append(
+            TierRow(
+                tier=tier,
+                flag=flag,
+                bytes=n,
+                block_bytes=block_bytes,
+                blocks=blocks,
+                tokens=tokens,
+                vs_device=tokens / device if device else None,
+                scope=scope,
+            )
+        )
+    return rows
+
+
+def _device_tokens(p: Plan) -> int | None:
+    """The device KV cache's tokens for the budget given (per-GPU mode)."""
+    for cap in (p.without_split, p.tokens_capacity):
+        if cap is not None and cap.fits:
+            return cap.tokens
+    return None
 
 
 def _model_summary(info: ModelInfo) -> dict[str, Any]:

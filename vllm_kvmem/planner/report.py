@@ -40,6 +40,7 @@ def plan_to_dict(p: Plan) -> dict[str, Any]:
         "target": asdict(p.target) if p.target else None,
         "heterogeneous": None,
         "not_supported": NOT_SUPPORTED_NOTE,
+        "tiers": [asdict(t) for t in p.tiers],
         "notes": p.notes,
     }
     if p.hetero:
@@ -164,6 +165,25 @@ def format_plan(p: Plan) -> str:
         lines += _target_lines(p.target, s)
     if p.hetero:
         lines += _hetero_lines(p, p.hetero)
+    if p.tiers:
+        lines += ["", "Behind the device KV cache:"]
+        lines += render_table(
+            ["tier", "flag", "bytes", "bytes/block", "blocks", "tokens", "vs device"],
+            [
+                (
+                    t.tier,
+                    t.flag,
+                    format_bytes(t.bytes),
+                    f"{t.block_bytes:,}",
+                    f"{t.blocks:,}",
+                    f"{t.tokens:,}",
+                    f"{t.vs_device:.1f}x" if t.vs_device else "-",
+                )
+                for t in p.tiers
+            ],
+            indent="  ",
+        )
+        lines += [f"  {t.tier}: {t.scope}" for t in p.tiers]
     for note in p.notes:
         lines += ["", f"note: {note}"]
     return "\n".join(lines)
