@@ -1,8 +1,9 @@
 """One engine of the disk tier's tests: ``python tests/disk_tier_engine.py
 '{json}'`` with ``model``, ``disk`` (a directory, or null: no disk tier),
 ``host`` (host tier bytes, or null: no tier at all), ``docs`` (how many
-documents), ``llm`` (more ``LLM`` arguments, optional) and ``phases`` (lists
-of document indices, generated one list at a time). The engine core runs in
+documents), ``llm`` (more ``LLM`` arguments, optional), ``phases`` (lists
+of document indices, generated one list at a time) and ``hold`` (optional:
+after the report, stay up until a line arrives on stdin). The engine core runs in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and so does the worker
 at TP=1, so the script reads the tier's counters on both sides; it prints
 one ``REPORT {json}`` line with every phase's greedy tokens and cached-token
@@ -70,4 +71,7 @@ def main(args: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print("REPORT " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)
+    args = json.loads(sys.argv[1])
+    print("REPORT " + json.dumps(main(args)), flush=True)
+    if args.get("hold"):  # stay up (another engine uses the directory) until told
+        sys.stdin.readline()

@@ -286,3 +286,56 @@ def test_an_idle_step_waits_for_its_disk_reads_and_a_busy_step_does_not(tmp_path
     finally:
         worker._engine = None  # no host pool to release
         worker.shutdown()
+
+
+def test_a_prefix_back_and_forth_between_disk_and_host_gets_both(tmp_path):
+    """A revisited document whose head was demoted to disk before its tail:
+    blocks 0-1 on disk, 2-3 in host memory, 4 on disk, 5 nowhere. The tier
+    offers 0-4: the host blocks load from their slots, pinned, with the
+    disk ones once read."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import (
+        KVCacheBlock,
+        make_block_hash_with_group_id,
+    )
+
+    from vllm_kvmem.host_tier.matching import HostMatcher
+    from vllm_kvmem.host_tier.support import GroupWindow
+
+    bs = 4
+    hashes = [bytes([i + 1]) * 32 for i in range(6)]
+    keys = [make_block_hash_with_group_id(h, 0) for h in hashes]
+    root = str(tmp_path)
+    sched = SchedulerDisk(
+        HostTierConfig(disk_path=root, disk_bytes=1 << 20),
+        None,
+        store=DiskStore(root, FP, 1 << 20),
+        ranks=["pp0-tp0"],
+    )
+    try:
+        slots = HostSlots(8)
+        loads = LoadQueue(slots, budget_blocks=8)
+        matcher = HostMatcher(
+            slots, (GroupWindow(0),), bs, loads, lambda **_: None, sched
+        )
+        host = {pos: slots.take_for_save(keys[pos]) for pos in (2, 3)}
+        slots.end_step()
+        sched.written([(keys[pos], "pp0-tp0", 64) for pos in (0, 1, 4)])
+        request = _Request(hashes, 6 * bs + 1)
+        assert matcher.match(request, 0) == (5 * bs, True)
+        # The host blocks are pinned: the host index cannot evict them.
+        assert all(s in slots.index._pins for s in host.values())
+        blocks = KVCacheBlocks(([KVCacheBlock(100 + i) for i in range(6)],))
+        matcher.claim(request, blocks, 5 * bs)
+        _, reads = sched.take(1)
+        assert [key for _, key in reads] == [keys[0], keys[1], keys[4]]
+        done, _ = sched.reported(1, [])
+        for slot in done:
+            slots.filled(slot)
+            loads.disk_read_done(slot, True)
+        (chunk,) = loads.step_loads()
+        assert chunk.blocks == [100, 101, 102, 103, 104]
+        disk_slots = [slot for slot, _ in reads]
+        assert chunk.slots == [*disk_slots[:2], host[2], host[3], disk_slots[2]]
+    finally:
+        sched.close()

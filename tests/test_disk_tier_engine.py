@@ -30,13 +30,14 @@ AGAIN = [[0, 1, 2, 3]]
 FAULTS = ("truncated", "checksum", "header", "missing")
 
 
-def _start(model: Path, disk: Path | None, phases, host: int | None = HOST):
+def _start(model: Path, disk: Path | None, phases, host: int | None = HOST, hold=False):
     args = {
         "model": str(model),
         "disk": str(disk) if disk else None,
         "host": host,
         "docs": 12,
         "phases": phases,
+        "hold": hold,
     }
     env = engine_env(
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
@@ -45,6 +46,7 @@ def _start(model: Path, disk: Path | None, phases, host: int | None = HOST):
         [sys.executable, str(SCRIPT), json.dumps(args)],
         cwd=ROOT,
         env=env,
+        stdin=subprocess.PIPE if hold else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -103,14 +105,34 @@ def test_a_restart_hits_the_blocks_an_earlier_engine_wrote(model_8l, cold, fille
     assert sum(again["cached"]) == run["worker"]["disk_hits"] * 128
 
 
+def _held_report(proc: subprocess.Popen) -> dict:
+    """The report of an engine told to stay up (``hold``), while it is up."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("REPORT "):
+            return json.loads(line.removeprefix("REPORT "))
+    proc.wait(timeout=60)
+    raise AssertionError(f"engine exited {proc.returncode}: {proc.stderr.read()}")
+
+
 def test_two_engines_share_a_directory(model_8l, cold, tmp_path):
-    """Two engines at once on one directory write the same blocks' files and
-    read them back: the same tokens, no fault."""
-    procs = [_start(model_8l, tmp_path, WORKLOAD) for _ in range(2)]
-    runs = [_report(p) for p in procs]
-    for run in runs:
-        assert run["phases"][1]["tokens"] == cold
-        assert run["worker"]["disk_hits"] > 0 and _faults(run) == 0
+    """Replica A serves the workload and stays up; replica B, started on A's
+    directory, serves A's documents from A's files (it has computed none of
+    them): the same tokens, every cached token from disk, no fault. Both
+    write into the directory while both are up."""
+    a = _start(model_8l, tmp_path, WORKLOAD, hold=True)
+    try:
+        first = _held_report(a)
+        assert first["phases"][1]["tokens"] == cold
+        assert first["worker"]["disk_blocks_written"] > 0
+        b = _run(model_8l, tmp_path, AGAIN)
+    finally:
+        a.communicate(input="\n", timeout=120)
+    assert a.returncode == 0
+    again = b["phases"][0]
+    assert again["tokens"] == cold
+    assert b["worker"]["disk_hits"] > 0 and _faults(b) == 0
+    assert sum(again["cached"]) == b["worker"]["disk_hits"] * 128
 
 
 def test_truncated_files_are_recomputed_and_counted(model_8l, cold, filled, tmp_path):

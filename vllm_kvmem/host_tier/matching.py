@@ -161,14 +161,24 @@ class HostMatcher:
     ) -> tuple[int, dict[int, bytes]]:
         """Continue a hit ending at ``end`` with the blocks whole on disk, a
         host slot each (added to ``slots``): the new end and the slots to
-        read into."""
+        read into. Past the first disk block the prefix may go back and forth
+        between disk and host memory (a revisited document's head was
+        demoted before its tail): a block the host holds is loaded from
+        there."""
         gid = self.groups[0].group_id
         disk: dict[int, bytes] = {}
         while end < stop:
             # One block at a time: most lookups end at the first block.
             key = make_block_hash_with_group_id(block_hashes[end], gid)
             if not self.disk.lookup([key]):
-                break
+                held = self.slots.slot_of(key) if disk else None
+                if held is None:
+                    break
+                self.slots.pin([held])
+                self.slots.use([key], 0)
+                slots[gid, end] = held
+                end += 1
+                continue
             slot = self.slots.take_for_disk(key)
             if slot is None:
                 break  # every slot pinned, or the block on its way already
