@@ -131,17 +131,25 @@ def pick_runs(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, A
 def outputs_identical(
     runs: list[dict[str, Any]], a: str, b: str
 ) -> dict[str, bool | None]:
-    """Greedy token ids of every request, config ``a`` vs ``b``, per reuse."""
-    by: dict[tuple[str, float], list[list[list[int]]]] = {}
+    """Greedy token ids of every request, config ``a`` vs ``b``, per reuse:
+    the same prompt (document and question) must give the same tokens, in
+    every pair of runs (a restart arm serves only some of the prompts)."""
+    by: dict[tuple[str, float], list[dict[tuple[int, int], list[int]]]] = {}
     for run in runs:
         if run.get("result") is None:
             continue
-        ids = [r["token_ids"] for r in run["result"]["requests"]]
+        ids = {
+            (r["doc"], r["question"]): r["token_ids"] for r in run["result"]["requests"]
+        }
         by.setdefault((run["config"], run["reuse"]), []).append(ids)
     out: dict[str, bool | None] = {}
     for reuse in sorted({r for _, r in by}):
         xs, ys = by.get((a, reuse)), by.get((b, reuse))
-        out[f"{reuse:g}"] = all(x == y for x in xs for y in ys) if xs and ys else None
+        out[f"{reuse:g}"] = (
+            all(x[k] == y[k] for x in xs for y in ys for k in x.keys() & y.keys())
+            if xs and ys
+            else None
+        )
     return out
 
 

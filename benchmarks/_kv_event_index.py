@@ -1,10 +1,11 @@
 """A KV-aware router's view of one vLLM engine, built from its KV events.
 
 ``KVEventIndex`` applies vLLM's ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` events to two tiers, the device (medium ``"GPU"`` or
-None) and the host (medium ``"CPU"``), and predicts the prefix a prompt will
-find cached. Blocks are keyed by their token content, as llm-d's indexer and
-Dynamo's router key them: a block's key chains its parent's key with its own
+``AllBlocksCleared`` events to three tiers, the device (medium ``"GPU"`` or
+None), the host (medium ``"CPU"``) and storage (medium ``"STORAGE"``, the
+disk tier), and predicts the prefix a prompt will find cached. Blocks are
+keyed by their token content, as llm-d's indexer and Dynamo's router key
+them: a block's key chains its parent's key with its own
 token ids (and LoRA name and extra keys), so the index never depends on how
 vLLM hashes. ``BlockRemoved`` carries only vLLM's hashes, so the index keeps
 the map from hash to key that the stores taught it.
@@ -27,9 +28,15 @@ from typing import Any
 
 DEVICE = "device"
 HOST = "host"
+STORAGE = "storage"
 #: KV event medium -> tier; vLLM's block pool publishes "GPU" on every
 #: platform (None from older publishers).
-TIER_OF_MEDIUM: dict[str | None, str] = {None: DEVICE, "GPU": DEVICE, "CPU": HOST}
+TIER_OF_MEDIUM: dict[str | None, str] = {
+    None: DEVICE,
+    "GPU": DEVICE,
+    "CPU": HOST,
+    "STORAGE": STORAGE,
+}
 
 ROOT_KEY = b""
 
@@ -68,10 +75,14 @@ class Prediction:
     device_blocks: int
     host_blocks: int
     block_size: int
+    #: Of the blocks past the device's, those read from storage.
+    storage_blocks: int = 0
 
     @property
     def tokens(self) -> int:
-        return (self.device_blocks + self.host_blocks) * self.block_size
+        return (self.device_blocks + self.host_blocks + self.storage_blocks) * (
+            self.block_size
+        )
 
 
 @dataclass
@@ -85,7 +96,7 @@ class KVEventIndex:
     #: may name a parent that has left both tiers).
     key_of_hash: dict[Any, bytes] = field(default_factory=dict)
     tiers: dict[str, Counter[bytes]] = field(
-        default_factory=lambda: {DEVICE: Counter(), HOST: Counter()}
+        default_factory=lambda: {DEVICE: Counter(), HOST: Counter(), STORAGE: Counter()}
     )
     #: (event kind, medium) -> events seen.
     events: Counter[tuple[str, str]] = field(default_factory=Counter)
@@ -95,7 +106,7 @@ class KVEventIndex:
     unknown_parent_events: int = 0
     #: Removed hashes that no store announced, or not on that tier.
     unknown_removals: int = 0
-    #: Events for a medium outside TIER_OF_MEDIUM (e.g. "STORAGE").
+    #: Events for a medium outside TIER_OF_MEDIUM.
     other_medium_events: int = 0
     block_sizes: set[int] = field(default_factory=set)
 
@@ -171,19 +182,30 @@ class KVEventIndex:
     def predict(self, token_ids: Sequence[int], block_size: int) -> Prediction:
         """The cached prefix vLLM should report: the longest run of full
         blocks on the device, then the longest run on the host from there
-        (vLLM asks its connector only past its own hit), at most
-        ``(len - 1) // block_size`` blocks (it always computes the last
-        prompt token)."""
+        (vLLM asks its connector only past its own hit), then, from the
+        first block in storage on, blocks in storage or on the host (the
+        disk tier takes each from where it is), at most ``(len - 1) //
+        block_size`` blocks (it always computes the last prompt token)."""
         keys = prompt_keys(token_ids, block_size)
-        cap = (len(token_ids) - 1) // block_size
-        device, host = self.tiers[DEVICE], self.tiers[HOST]
+        n = min((len(token_ids) - 1) // block_size, len(keys))
+        device, host, storage = (self.tiers[t] for t in (DEVICE, HOST, STORAGE))
         d = 0
-        while d < min(cap, len(keys)) and device[keys[d]] > 0:
+        while d < n and device[keys[d]] > 0:
             d += 1
         h = 0
-        while d + h < min(cap, len(keys)) and host[keys[d + h]] > 0:
+        while d + h < n and host[keys[d + h]] > 0:
             h += 1
-        return Prediction(d, h, block_size)
+        s = 0
+        if d + h < n and storage[keys[d + h]] > 0:
+            while d + h + s < n:
+                key = keys[d + h + s]
+                if storage[key] > 0:
+                    s += 1
+                elif host[key] > 0:
+                    h += 1
+                else:
+                    break
+        return Prediction(d, h, block_size, s)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -195,6 +217,7 @@ class KVEventIndex:
             "block_sizes": sorted(self.block_sizes),
             "device_blocks_indexed": sum(1 for v in self.tiers[DEVICE].values() if v),
             "host_blocks_indexed": sum(1 for v in self.tiers[HOST].values() if v),
+            "storage_blocks_indexed": sum(1 for v in self.tiers[STORAGE].values() if v),
         }
 
 

@@ -729,13 +729,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.close()
 
     best = pick_runs(runs)
-    identical = outputs_identical(runs, "none", "host")
-    example_identical = outputs_identical(runs, "none", "example")
-    disk_identical = {c: outputs_identical(runs, "none", c) for c in DISK_CONFIGS}
-    hits = hit_vs_recompute(runs, args.doc_tokens)
-    targets = evaluate_targets(best, runs, hits, identical)
     engine = next((r["result"] for r in runs if r["result"]), {})
-    known = [v for v in identical.values() if v is not None]
 
     report = {
         "benchmark": "host_tier_end_to_end",
@@ -797,6 +791,22 @@ def main(argv: list[str] | None = None) -> int:
                 best.items(), key=lambda kv: (kv[0][1], CONFIGS.index(kv[0][0]))
             )
         ],
+        **analyse(runs, args.doc_tokens),
+        "runs": runs,
+    }
+    png = write_json(out, report)
+    show(report, png)
+    failed = [r for r in runs if r["summary"] is None]
+    return finish(out, png, len(failed), "error_log_tail")
+
+
+def analyse(runs: list[dict[str, Any]], doc_tokens: int) -> dict[str, Any]:
+    """Everything the report derives from its runs (``--replot`` redoes it)."""
+    best = pick_runs(runs)
+    identical = outputs_identical(runs, "none", "host")
+    hits = hit_vs_recompute(runs, doc_tokens)
+    known = [v for v in identical.values() if v is not None]
+    return {
         "hit_vs_recompute": hits,
         "throughput_ratio_host_vs_none": paired_ratios(runs),
         "throughput_ratio_disk_vs_host_small": paired_ratios(
@@ -805,43 +815,47 @@ def main(argv: list[str] | None = None) -> int:
         "throughput_ratio_disk_vs_none": paired_ratios(runs, "disk", "none"),
         "outputs_identical": all(known) if known else None,
         "outputs_identical_by_reuse": identical,
-        "example_outputs_identical_by_reuse": example_identical,
-        "disk_outputs_identical_by_reuse": disk_identical,
-        "targets": targets,
-        "runs": runs,
+        "example_outputs_identical_by_reuse": outputs_identical(
+            runs, "none", "example"
+        ),
+        "disk_outputs_identical_by_reuse": {
+            c: outputs_identical(runs, "none", c) for c in DISK_CONFIGS
+        },
+        "targets": evaluate_targets(best, runs, hits, identical),
     }
-    png = write_json(out, report)
+
+
+def show(report: dict[str, Any], png: Path) -> None:
+    """The plot, the table, the ratios and the targets of a report."""
+    best = pick_runs(report["runs"])
+    hits = report["hit_vs_recompute"]
     if best:
         plot_report(report, png)
-
     print_table(best)
     if hits["recompute"]["n"] or hits["host_hit"]["n"]:
         print_hits(hits)
-    for level, r in report["throughput_ratio_host_vs_none"].items():
-        print(
-            f"reuse {level}: throughput host/none {r['median']:.3f} "
-            f"[{r['min']:.3f}-{r['max']:.3f}] over {r['pairs']} paired repeats"
-        )
+    for name in ("host_vs_none", "disk_vs_host_small", "disk_vs_none"):
+        for level, r in report.get(f"throughput_ratio_{name}", {}).items():
+            print(
+                f"reuse {level}: throughput {name.replace('_vs_', '/')} "
+                f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}] over "
+                f"{r['pairs']} paired repeats"
+            )
     print(f"\ngreedy outputs identical, host vs none: {report['outputs_identical']}")
-    for config, by_reuse in disk_identical.items():
+    for config, by_reuse in report.get("disk_outputs_identical_by_reuse", {}).items():
         if any(v is not None for v in by_reuse.values()):
             print(f"greedy outputs identical, {config} vs none: {by_reuse}")
-    print_targets(targets)
-    failed = [r for r in runs if r["summary"] is None]
-    return finish(out, png, len(failed), "error_log_tail")
+    print_targets(report["targets"])
 
 
 def replot(path: Path) -> int:
-    """Table, targets and PNG again from a JSON this script wrote."""
+    """The figures, table, targets and PNG again from a JSON this script
+    wrote, derived anew from its runs (the JSON is rewritten with them)."""
     report = json.loads(path.read_text())
-    best = pick_runs(report["runs"])
-    hits = report["hit_vs_recompute"]
-    png = path.with_suffix(".png")
-    plot_report(report, png)
-    print_table(best)
-    print_hits(hits)
-    print_targets(report["targets"])
-    print(f"\nPNG:  {png}")
+    report.update(analyse(report["runs"], report["workload"]["doc_tokens"]))
+    png = write_json(path, report)
+    show(report, png)
+    print(f"\nJSON: {path}\nPNG:  {png}")
     return 0
 
 

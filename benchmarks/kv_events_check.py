@@ -173,6 +173,7 @@ def server_env(threads: int) -> dict[str, str]:
 def server_args(
     args: argparse.Namespace, model: Path, events: dict[str, Any], host_bytes: int
 ) -> list[str]:
+    """The server's command line (after the interpreter)."""
     cmd = [
         "--model", str(model), "--served-model-name", "kvcheck",
         "--dtype", "float32",
@@ -195,7 +196,25 @@ def server_args(
         cmd += ["--enforce-eager"]
     if not args.no_host_tier:
         cmd += ["--kv-host-cache-bytes", str(host_bytes)]
+    if args.disk_dir is not None:
+        # Room for every block: disk files leave unannounced (no BlockRemoved).
+        cmd += ["--kv-disk-cache-path", str(args.disk_dir.resolve())]
+        cmd += ["--kv-disk-cache-bytes", "4G"]
     return cmd
+
+
+def disk_metrics(url: str) -> dict[str, float]:
+    """The disk tier's samples on the server's /metrics (summed over label
+    sets)."""
+    code, text = http(f"{url}/metrics", None, timeout=60)
+    if code != 200:
+        raise RuntimeError(f"/metrics: {code} {text[:500]}")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvmem_host_disk_") and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def server_versions(python: str) -> dict[str, str | None]:
@@ -233,6 +252,7 @@ def record(req: Request, pred: Prediction, cached: int | None) -> dict[str, Any]
         "prompt_tokens": len(req.prompt),
         "predicted_device_blocks": pred.device_blocks,
         "predicted_host_blocks": pred.host_blocks,
+        "predicted_storage_blocks": pred.storage_blocks,
         "predicted_tokens": pred.tokens,
         "reported_cached_tokens": cached,
     }
@@ -258,6 +278,9 @@ def summarize(records: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
             "late_batches_after_prediction" in r for r in bad
         ),
         "predicted_host_hits": sum(r["predicted_host_blocks"] > 0 for r in records),
+        "predicted_storage_hits": sum(
+            r.get("predicted_storage_blocks", 0) > 0 for r in records
+        ),
         "reported_beyond_device_prediction": sum(map(beyond_device, records)),
         "predicted_cached_tokens": sum(r["predicted_tokens"] for r in records),
         "reported_cached_tokens": sum(
@@ -330,6 +353,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
                 records.append(rec)
             requests_s = time.monotonic() - t_requests
             sub.drain(index, args.quiet_ms / 1000)
+            metrics = disk_metrics(server.url) if args.disk_dir else None
     finally:
         sub.close()
     return {
@@ -348,7 +372,9 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
             "host_blocks": None if args.no_host_tier else args.host_blocks,
             "host_bytes": None if args.no_host_tier else host_bytes,
             "max_model_len": MAX_MODEL_LEN,
+            "disk_dir": str(args.disk_dir) if args.disk_dir else None,
         },
+        "disk_metrics": metrics,
         "events": {
             **index.summary(),
             "batches": sub.batches,
@@ -442,7 +468,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="server log (default: out/<--out's name>.server.log)",
     )
+    parser.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=None,
+        help="also run the disk tier in this directory (--kv-disk-cache-path): "
+        "its STORAGE events join the index, and /metrics' disk samples the JSON",
+    )
     args = parser.parse_args(argv)
+    if args.disk_dir is not None and args.no_host_tier:
+        parser.error("--disk-dir needs the host tier: drop --no-host-tier")
     if args.requests < 1 or args.docs < 1 or args.systems < 1:
         parser.error("--requests, --docs and --systems must be >= 1")
     if args.device_blocks * BLOCK_SIZE < MAX_MODEL_LEN:
@@ -477,8 +512,9 @@ def main(argv: list[str] | None = None) -> int:
             "AllBlocksCleared clears both tiers; refcounted (vLLM caches "
             "duplicates)",
             "prediction": "d = leading full blocks on the device, h = following "
-            "blocks on the host, d + h <= (prompt_tokens - 1) // block_size; "
-            "predicted cached tokens = (d + h) * block_size",
+            "blocks on the host, then (from a block in storage on) s blocks in "
+            "storage or more on the host, d + h + s <= (prompt_tokens - 1) // "
+            "block_size; predicted cached tokens = (d + h + s) * block_size",
             "timing_assumption": f"before each request the subscriber waits "
             f"up to {args.wait_ms:g} ms for a batch published after the last "
             f"request was sent, then reads until the socket is quiet for "
@@ -500,8 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         f"requests {s['requests']}, mismatches {s['mismatches']} "
         f"(reported more {s['mismatches_reported_more']}, less "
         f"{s['mismatches_reported_less']}), predicted host hits "
-        f"{s['predicted_host_hits']}"
+        f"{s['predicted_host_hits']}, storage hits {s['predicted_storage_hits']}"
     )
+    if result["disk_metrics"] is not None:
+        print(f"disk tier /metrics: {result['disk_metrics']}")
     print(
         f"events: {ev['events']}; batches {ev['batches']}, missed seqs "
         f"{ev['missed_seqs']}, late batches {ev['late_batches']}, empty token "

@@ -113,3 +113,45 @@ def test_quick_run_writes_json_and_png(bench, tmp_path, capsys):
         verdict = "PASS" if t["passed"] else "FAIL"
         assert f"{verdict}  {t['name']}: {t['detail']}" in printed
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.engine
+def test_quick_disk_arms_hit_disk_in_the_engine_and_after_a_restart(
+    bench, tmp_path, capsys
+):
+    """The disk tier's arms: every revisit read from disk with the page cache
+    dropped first (same engine), and by a new engine on the first one's
+    directory; outputs the same as without any tier; --replot derives the
+    same figures from the runs."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "disk.json"
+    argv = ["--quick", "--out", str(out), "--model-cache", str(tmp_path / "models")]
+    argv += ["--configs", "none,disk,disk_restart", "--reuse", "1"]
+    argv += ["--disk-dir", str(tmp_path / "disk")]
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["workload"]["disk_dir_filesystem"].split()[2]  # its mount point
+    hits = report["hit_vs_recompute"]
+    assert hits["disk_hit"]["n"] > 0 and hits["disk_restart_hit"]["n"] > 0
+    assert report["disk_outputs_identical_by_reuse"] == {
+        "disk": {"1": True},
+        "disk_restart": {"1": True},
+    }
+    for run in report["runs"]:
+        revisits = [r for r in run["result"]["requests"] if r["kind"] == "revisit"]
+        if run["config"] == "none":
+            assert all("disk_read_blocks" not in r for r in revisits)
+            continue
+        assert all(r["page_cache_dropped_files"] > 0 for r in revisits)
+        assert run["result"]["disk_counters"]["disk_hits"] > 0
+    restart = next(r for r in report["runs"] if r["config"] == "disk_restart")
+    assert restart["writer"]["returncode"] == 0
+    assert restart["writer"]["disk_counters"]["disk_blocks_written"] > 0
+    assert not list((tmp_path / "disk").iterdir())  # each run's directory removed
+    names = [t["name"] for t in report["targets"]]
+    assert any(n.startswith("disk hits after a restart") for n in names)
+
+    derived = {k: report[k] for k in ("hit_vs_recompute", "targets")}
+    assert bench.replot(out) == 0
+    again = json.loads(out.read_text())
+    assert {k: again[k] for k in derived} == derived

@@ -119,6 +119,27 @@ def test_host_run_starts_where_the_device_hit_ends(idx):
     assert (p.device_blocks, p.host_blocks) == (0, 2)
 
 
+def test_storage_run_goes_back_and_forth_with_the_host(idx):
+    """Past the host's run, the disk tier continues from a block in storage,
+    taking each block from storage or the host, as the tier does."""
+    index = idx.KVEventIndex()
+    index.apply(stored(blocks(0, 1), HASHES[:1], medium="STORAGE"))
+    index.apply(stored(blocks(1, 2), HASHES[1:2], parent=HASHES[0], medium="CPU"))
+    index.apply(stored(blocks(2, 3), HASHES[2:3], parent=HASHES[1], medium="STORAGE"))
+    p = index.predict(PROMPT, BS)
+    assert (p.device_blocks, p.host_blocks, p.storage_blocks) == (0, 1, 2)
+    assert p.tokens == 12
+    # A host run first, then storage, then the host again.
+    index.apply(stored(blocks(0, 1), HASHES[:1], medium="CPU"))
+    index.apply(stored(blocks(3, 4), HASHES[3:], parent=HASHES[2], medium="CPU"))
+    p = index.predict(PROMPT, BS)
+    assert (p.host_blocks, p.storage_blocks) == (3, 1)
+    # A block only on the host after the host's run and before any storage
+    # block ends it: the host's run is the whole hit.
+    index.apply(removed(HASHES[2:3], medium="STORAGE"))
+    assert index.predict(PROMPT, BS).tokens == 2 * BS
+
+
 def test_host_store_names_a_parent_gone_from_both_tiers(idx):
     """The tier copies the device event's parent hash; the parent may have
     left every tier by then, and the key still chains through it."""
@@ -155,7 +176,7 @@ def test_events_without_tokens_are_counted_not_indexed(idx):
     assert index.predict(PROMPT, BS).tokens == 0
     index.apply(stored(blocks(1, 2), HASHES[1:2], parent=777))
     assert index.unknown_parent_events == 1
-    index.apply(stored(blocks(0, 1), HASHES[:1], medium="STORAGE"))
+    index.apply(stored(blocks(0, 1), HASHES[:1], medium="NVME"))
     assert index.other_medium_events == 1
     with pytest.raises(ValueError, match="token ids"):
         index.apply(stored(blocks(0, 1)[:3], HASHES[:1]))
