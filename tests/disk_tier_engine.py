@@ -2,8 +2,10 @@
 '{json}'`` with ``model``, ``disk`` (a directory, or null: no disk tier),
 ``host`` (host tier bytes, or null: no tier at all), ``docs`` (how many
 documents), ``llm`` (more ``LLM`` arguments, optional), ``phases`` (lists
-of document indices, generated one list at a time) and ``hold`` (optional:
-after the report, stay up until a line arrives on stdin). The engine core runs in
+of document indices, generated one list at a time), ``hold`` (optional:
+after the report, stay up until a line arrives on stdin) and
+``pause_before`` (optional phase indices: before each, the disk writes
+done, print ``PAUSED`` and wait for a line on stdin). The engine core runs in
 this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and so does the worker
 at TP=1, so the script reads the tier's counters on both sides; it prints
 one ``REPORT {json}`` line with every phase's greedy tokens and cached-token
@@ -46,7 +48,13 @@ def main(args: dict) -> dict:
     docs = documents(args["docs"])
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     phases = []
-    for phase in args["phases"]:
+    for i, phase in enumerate(args["phases"]):
+        if i in args.get("pause_before", ()):
+            # The files are written; the test changes them under the engine.
+            worker = get_kv_transfer_group().connector_worker
+            assert worker._disk.store.flush(timeout=60), "disk writes stuck"
+            print("PAUSED", flush=True)
+            sys.stdin.readline()
         outs = llm.generate([docs[i] for i in phase], params, use_tqdm=False)
         phases.append(
             {

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, engine_env
+from tests.helpers import ROOT, engine_env, on_vllm033
 
 pytestmark = pytest.mark.engine
 
@@ -30,7 +30,9 @@ AGAIN = [[0, 1, 2, 3]]
 FAULTS = ("truncated", "checksum", "header", "missing")
 
 
-def _start(model: Path, disk: Path | None, phases, host: int | None = HOST, hold=False):
+def _start(model, disk, phases, host=HOST, hold=False, pause_before=(), python=None):
+    """``hold``, ``pause_before``: see tests/disk_tier_engine.py; ``python``:
+    the interpreter (vLLM 0.33's), default this one."""
     args = {
         "model": str(model),
         "disk": str(disk) if disk else None,
@@ -38,15 +40,16 @@ def _start(model: Path, disk: Path | None, phases, host: int | None = HOST, hold
         "docs": 12,
         "phases": phases,
         "hold": hold,
+        "pause_before": list(pause_before),
     }
     env = engine_env(
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     return subprocess.Popen(
-        [sys.executable, str(SCRIPT), json.dumps(args)],
+        [python or sys.executable, str(SCRIPT), json.dumps(args)],
         cwd=ROOT,
         env=env,
-        stdin=subprocess.PIPE if hold else None,
+        stdin=subprocess.PIPE if hold or pause_before else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -105,14 +108,20 @@ def test_a_restart_hits_the_blocks_an_earlier_engine_wrote(model_8l, cold, fille
     assert sum(again["cached"]) == run["worker"]["disk_hits"] * 128
 
 
-def _held_report(proc: subprocess.Popen) -> dict:
-    """The report of an engine told to stay up (``hold``), while it is up."""
+def _read_until(proc: subprocess.Popen, prefix: str) -> str:
+    """The rest of the engine's first stdout line starting with ``prefix``,
+    read while the engine keeps running."""
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("REPORT "):
-            return json.loads(line.removeprefix("REPORT "))
+        if line.startswith(prefix):
+            return line.removeprefix(prefix)
     proc.wait(timeout=60)
     raise AssertionError(f"engine exited {proc.returncode}: {proc.stderr.read()}")
+
+
+def _held_report(proc: subprocess.Popen) -> dict:
+    """The report of an engine told to stay up (``hold``), while it is up."""
+    return json.loads(_read_until(proc, "REPORT "))
 
 
 def test_two_engines_share_a_directory(model_8l, cold, tmp_path):
@@ -149,3 +158,49 @@ def test_truncated_files_are_recomputed_and_counted(model_8l, cold, filled, tmp_
     assert run["worker"]["disk_hits"] == 0
     assert run["worker"]["disk_faults_truncated"] > 0
     assert run["scheduler"]["disk_read_failures"] > 0
+
+
+def test_a_full_disk_and_files_truncated_while_it_runs(model_8l, cold, tmp_path):
+    """The directory on a 40 MiB tmpfs (about half of the ~80 blocks the host
+    evicts fit): writes fail with the kernel's ENOSPC, dropped and counted. Then,
+    with the engine up, every block file is cut in half before the documents
+    come back: their reads fail and the blocks are recomputed. Greedy tokens
+    equal an engine's without any tier throughout."""
+    from tests.test_disk_store import tmpfs
+
+    mnt = tmp_path / "small"
+    with tmpfs(mnt, "40m") as mounted:
+        if not mounted:
+            pytest.skip("mount is not permitted here: no real full filesystem")
+        proc = _start(model_8l, mnt, WORKLOAD, pause_before=[1])
+        try:
+            _read_until(proc, "PAUSED")
+            files = list(mnt.rglob("*.kvb"))
+            assert files
+            for path in files:
+                with open(path, "r+b") as f:
+                    f.truncate(path.stat().st_size // 2)
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            run = _report(proc)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert run["phases"][1]["tokens"] == cold
+    worker = run["worker"]
+    assert worker["disk_faults_disk_full"] > 0
+    assert worker["disk_faults_truncated"] > 0 and worker["disk_hits"] == 0
+    assert run["scheduler"]["disk_read_failures"] > 0
+
+
+@on_vllm033
+def test_disk_hits_on_vllm_033(model_8l, cold, vllm_python, tmp_path):
+    """The same workload on vLLM 0.33: disk hits, the tokens of 0.32 without
+    any tier (same kernels), no fault, in a directory of its own (vLLM's
+    version is in the fingerprint)."""
+    run = _report(_start(model_8l, tmp_path, WORKLOAD, python=vllm_python))
+    assert run["phases"][1]["tokens"] == cold
+    assert run["worker"]["disk_hits"] > 0 and _faults(run) == 0
+    assert sum(run["phases"][1]["cached"]) >= run["worker"]["disk_hits"] * 128
+    (fingerprint,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert '"vllm": "0.33.0"' in (fingerprint / "manifest.json").read_text()
