@@ -399,8 +399,8 @@ HIT_LABELS = {
     "host_hit": "kvmem host tier:\nprefix loaded from host memory",
     "example_hit": "ExampleConnector:\nprefix read from disk",
     "device_hit": "device prefix hit:\nprefix never left the device",
-    "disk_hit": "kvmem disk tier:\nprefix read from disk",
-    "disk_restart_hit": "kvmem disk tier,\nafter a restart",
+    "disk_hit": "disk tier:\nread from disk",
+    "disk_restart_hit": "disk tier,\nnew engine",
 }
 COLORS = {
     "none": "tab:gray",

@@ -218,6 +218,28 @@ def test_two_replicas_share_a_directory(make):
     assert b.stats().blocks_written == 0
 
 
+def test_a_rename_refused_over_another_replicas_file_counts_as_stored(make):
+    """Some shared filesystems answer EEXIST to a rename over a file another
+    replica has just renamed into place (vLLM 0.33's fs tier treats it the
+    same): the block is stored, no fault, no temp file left."""
+    import errno
+
+    a = make()
+    assert write(a, 1)
+
+    def refuse(op: str, path: str) -> None:
+        if op == "replace" and os.path.exists(path):
+            raise FileExistsError(errno.EEXIST, "File exists", path)
+
+    b = make(fault_hook=refuse)
+    done: list[bool] = []
+    assert b.submit(bh(1), payload(1), on_done=done.append)
+    assert b.flush(timeout=10) and done == [True]
+    assert not any(b.stats().faults.values())
+    assert b.contains(bh(1), [R0]) and read(b, 1)
+    assert not [p for p in Path(b.dir).rglob("*") if df.is_temp_name(p.name)]
+
+
 def test_the_scheduler_sees_a_block_only_when_every_rank_wrote_it(make):
     w0, w1, sched = make(rank=R0), make(rank=R1), make(rank=None)
     for i in range(3):

@@ -671,7 +671,14 @@ class DiskStore:
             mtime = self.ops.fstat(fd).st_mtime
             self.ops.close(fd)
             fd = None
-            self.ops.replace(tmp, path)
+            try:
+                self.ops.replace(tmp, path)
+            except FileExistsError:
+                # Some shared filesystems refuse to rename over a file another
+                # replica has just renamed into place: the block is stored.
+                os.unlink(tmp)
+                st = self.ops.stat(path)
+                size, mtime = st.st_size, st.st_mtime
             if self.fsync:
                 self.ops.fsync_dir(parent)
         except OSError as e:
