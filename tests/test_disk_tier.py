@@ -156,6 +156,15 @@ def test_a_block_whole_on_disk_is_announced_on_vllms_storage_medium():
     assert with_tokens.medium == without.medium == MEDIUM_STORAGE
     assert with_tokens.token_ids == [1, 2, 3, 4] and without.token_ids == []
     assert without.block_hashes == [maybe_convert_block_hash(unknown)]
+    # Read back from disk into a host slot (not on the device any more): the
+    # host event carries the tokens it had when the block was last there.
+    events.device.clear()
+    events.add(
+        [(STORED, make_block_hash_with_group_id(h, 0)) for h in (known, unknown)]
+    )
+    again, never = events.take()
+    assert again.medium == never.medium == "CPU"
+    assert again.token_ids == [1, 2, 3, 4] and never.token_ids == []
 
 
 def test_after_a_prefix_cache_reset_nothing_is_read_or_written(tmp_path):

@@ -276,10 +276,20 @@ def assert_exact(report: dict) -> None:
 def test_host_tier_events_predict_every_request(check, model_8l, tmp_path):
     """Over vLLM's ZMQ publisher, on 0.32 (tests/test_host_tier_events.py
     replays the same events in process on 0.33; the control without the tier,
-    0 mismatches in 1,000 requests, is the benchmark's --no-host-tier)."""
-    report = run_check(check, model_8l, tmp_path)
+    0 mismatches in 1,000 requests, is the benchmark's --no-host-tier). The
+    disk tier behind a small host tier: its STORAGE events join the index,
+    and prefixes come back from the host and from disk, exactly predicted."""
+    disk = tmp_path / "disk"
+    report = run_check(
+        check, model_8l, tmp_path, "--host-blocks", "32", "--disk-dir", str(disk)
+    )
     assert_exact(report)
     s, ev = report["summary"], report["events"]
     assert s["predicted_host_hits"] > 0  # revisits came back from the host
+    assert s["predicted_storage_hits"] > 0  # and from disk
     assert ev["events"]["BlockStored/CPU"] > 0
+    assert ev["events"]["BlockStored/STORAGE"] > 0
     assert ev["empty_token_events"] == 0
+    metrics = report["disk_metrics"]
+    assert metrics["vllm:kvmem_host_disk_hits_total"] > 0
+    assert metrics["vllm:kvmem_host_disk_read_failures_total"] == 0

@@ -142,14 +142,20 @@ class HostKVEvents:
 
     def _stored_on_host(self, block_hash: Any, group: int) -> BlockStored:
         device = self.device.get((block_hash, group))
-        if device is not None:
-            event = msgspec.structs.replace(device, medium=MEDIUM_CPU)
-            self._recent[block_hash, group] = event
-            self._recent.move_to_end((block_hash, group))
-            if len(self._recent) > RECENT_HOST_EVENTS:
-                self._recent.popitem(last=False)
-            return event
-        return self._without_tokens(block_hash, group, MEDIUM_CPU)
+        # A block read back from disk into a host slot is not on the device:
+        # its event is the one it had when it was last on the host.
+        event = (
+            msgspec.structs.replace(device, medium=MEDIUM_CPU)
+            if device is not None
+            else self._recent.get((block_hash, group))
+        )
+        if event is None:  # e.g. read from disk another engine wrote
+            return self._without_tokens(block_hash, group, MEDIUM_CPU)
+        self._recent[block_hash, group] = event
+        self._recent.move_to_end((block_hash, group))
+        if len(self._recent) > RECENT_HOST_EVENTS:
+            self._recent.popitem(last=False)
+        return event
 
     def _without_tokens(self, block_hash: Any, group: int, medium: str) -> BlockStored:
         self.without_tokens += 1
