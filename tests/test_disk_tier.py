@@ -5,6 +5,7 @@ temporary directory; the engine tests are tests/test_disk_tier_engine.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_kvmem.host_tier.config import HostTierConfig
@@ -214,59 +215,6 @@ class _Request:
         self.num_tokens = num_tokens
 
 
-def test_a_prefix_split_over_device_host_and_disk_gets_all_three(tmp_path):
-    """Block 0 on the device (vLLM's hit), 1-2 in host memory, 3-4 on disk,
-    5 nowhere: the tier offers 1-4, asynchronously; the host blocks load at
-    once with the disk ones once their reads are done."""
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.kv_cache_utils import (
-        KVCacheBlock,
-        make_block_hash_with_group_id,
-    )
-
-    from vllm_kvmem.host_tier.matching import HostMatcher
-    from vllm_kvmem.host_tier.support import GroupWindow
-
-    bs = 4
-    hashes = [bytes([i + 1]) * 32 for i in range(6)]
-    keys = [make_block_hash_with_group_id(h, 0) for h in hashes]
-    root = str(tmp_path)
-    sched = SchedulerDisk(
-        HostTierConfig(disk_path=root, disk_bytes=1 << 20),
-        None,
-        store=DiskStore(root, FP, 1 << 20),
-        ranks=["pp0-tp0"],
-    )
-    try:
-        slots = HostSlots(8)
-        loads = LoadQueue(slots, budget_blocks=8)
-        matcher = HostMatcher(
-            slots, (GroupWindow(0),), bs, loads, lambda **_: None, sched
-        )
-        host = {pos: slots.take_for_save(keys[pos]) for pos in (1, 2)}
-        slots.end_step()
-        sched.written([(keys[pos], "pp0-tp0", 64) for pos in (3, 4)])
-        request = _Request(hashes, 6 * bs + 1)
-        assert matcher.match(request, bs) == (4 * bs, True)
-        blocks = KVCacheBlocks(([KVCacheBlock(100 + i) for i in range(6)],))
-        matcher.claim(request, blocks, 4 * bs)
-        saves, reads = sched.take(1)
-        disk_slots = [slot for slot, _ in reads]
-        assert [key for _, key in reads] == [keys[3], keys[4]]
-        assert loads.step_loads() == []  # waiting for the reads
-        done, failed = sched.reported(1, [])
-        assert sorted(done) == sorted(disk_slots) and failed == []
-        for slot in done:
-            slots.filled(slot)
-            loads.disk_read_done(slot, True)
-        (chunk,) = loads.step_loads()
-        assert chunk.blocks == [101, 102, 103, 104]
-        assert chunk.slots == [host[1], host[2], *disk_slots]
-        assert slots.slot_of(keys[3]) == disk_slots[0]  # matchable from now on
-    finally:
-        sched.close()
-
-
 def test_an_idle_step_waits_for_its_disk_reads_and_a_busy_step_does_not(tmp_path):
     """A step that computes nothing (its requests wait for disk reads) waits
     for them, bounded, off the GIL, at the end of the step; a step with a
@@ -297,11 +245,25 @@ def test_an_idle_step_waits_for_its_disk_reads_and_a_busy_step_does_not(tmp_path
         worker.shutdown()
 
 
-def test_a_prefix_back_and_forth_between_disk_and_host_gets_both(tmp_path):
-    """A revisited document whose head was demoted to disk before its tail:
-    blocks 0-1 on disk, 2-3 in host memory, 4 on disk, 5 nowhere. The tier
-    offers 0-4: the host blocks load from their slots, pinned, with the
-    disk ones once read."""
+@pytest.mark.parametrize(
+    ("device", "host_at", "disk_at", "offered"),
+    [
+        # Block 0 on the device (vLLM's hit), 1-2 in host memory, 3-4 on
+        # disk, 5 nowhere: the tier offers 1-4.
+        (1, (1, 2), (3, 4), (1, 2, 3, 4)),
+        # A revisited document whose head was demoted to disk before its
+        # tail: 0-1 on disk, 2-3 in host memory, 4 on disk: 0-4, each block
+        # from where it is.
+        (0, (2, 3), (0, 1, 4), (0, 1, 2, 3, 4)),
+    ],
+    ids=["device-host-disk", "disk-host-disk"],
+)
+def test_a_prefix_split_over_the_tiers_gets_every_part(
+    tmp_path, device, host_at, disk_at, offered
+):
+    """Asynchronous; the host blocks are pinned at once (the host index
+    cannot evict them) and load with the disk ones once their reads are
+    done, in the prefix's order; a block read is matchable from then on."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import (
         KVCacheBlock,
@@ -327,24 +289,27 @@ def test_a_prefix_back_and_forth_between_disk_and_host_gets_both(tmp_path):
         matcher = HostMatcher(
             slots, (GroupWindow(0),), bs, loads, lambda **_: None, sched
         )
-        host = {pos: slots.take_for_save(keys[pos]) for pos in (2, 3)}
+        host = {pos: slots.take_for_save(keys[pos]) for pos in host_at}
         slots.end_step()
-        sched.written([(keys[pos], "pp0-tp0", 64) for pos in (0, 1, 4)])
+        sched.written([(keys[pos], "pp0-tp0", 64) for pos in disk_at])
         request = _Request(hashes, 6 * bs + 1)
-        assert matcher.match(request, 0) == (5 * bs, True)
-        # The host blocks are pinned: the host index cannot evict them.
+        hit = len(offered) * bs
+        assert matcher.match(request, device * bs) == (hit, True)
         assert all(s in slots.index._pins for s in host.values())
         blocks = KVCacheBlocks(([KVCacheBlock(100 + i) for i in range(6)],))
-        matcher.claim(request, blocks, 5 * bs)
+        matcher.claim(request, blocks, hit)
         _, reads = sched.take(1)
-        assert [key for _, key in reads] == [keys[0], keys[1], keys[4]]
-        done, _ = sched.reported(1, [])
+        assert [key for _, key in reads] == [keys[pos] for pos in disk_at]
+        assert loads.step_loads() == []  # waiting for the reads
+        done, failed = sched.reported(1, [])
+        assert sorted(done) == sorted(slot for slot, _ in reads) and failed == []
         for slot in done:
             slots.filled(slot)
             loads.disk_read_done(slot, True)
         (chunk,) = loads.step_loads()
-        assert chunk.blocks == [100, 101, 102, 103, 104]
-        disk_slots = [slot for slot, _ in reads]
-        assert chunk.slots == [*disk_slots[:2], host[2], host[3], disk_slots[2]]
+        assert chunk.blocks == [100 + pos for pos in offered]
+        read_into = {pos: slot for pos, (slot, _) in zip(disk_at, reads)}
+        assert chunk.slots == [host.get(pos, read_into.get(pos)) for pos in offered]
+        assert slots.slot_of(keys[disk_at[0]]) == reads[0][0]
     finally:
         sched.close()
