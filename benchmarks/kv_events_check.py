@@ -211,8 +211,10 @@ def disk_metrics(url: str) -> dict[str, float]:
         raise RuntimeError(f"/metrics: {code} {text[:500]}")
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("vllm:kvmem_host_disk_") and not line.startswith("#"):
+        if line.startswith("vllm:kvmem_host_disk_"):
             name = line.split("{")[0].split(" ")[0]
+            if name.endswith("_created"):
+                continue  # the client library's timestamps
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
@@ -539,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{s['predicted_host_hits']}, storage hits {s['predicted_storage_hits']}"
     )
     if result["disk_metrics"] is not None:
-        print(f"disk tier /metrics: {result['disk_metrics']}")
+        shown = {k: v for k, v in result["disk_metrics"].items() if v}
+        print(f"disk tier /metrics (non-zero): {shown}")
     print(
         f"events: {ev['events']}; batches {ev['batches']}, missed seqs "
         f"{ev['missed_seqs']}, late batches {ev['late_batches']}, empty token "
