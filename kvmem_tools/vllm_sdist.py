@@ -83,13 +83,11 @@ def _fetch(release: str, dest: Path) -> None:
     partial.replace(dest)
 
 
-def tests_root(version: str) -> Path:
-    """A folder holding ``tests/`` (and ``pyproject.toml``) of the release
-    ``version`` is built from, extracted from its sdist (fetched once)."""
+def extract(version: str, paths: tuple[str, ...], dest: Path) -> Path:
+    """The files of the release ``version`` is built from whose sdist paths
+    (relative to its top folder) equal or lie under one of ``paths``, at the
+    same relative paths under ``dest``; the sdist is fetched once."""
     release = release_of(version)
-    root = cache_dir() / f"vllm-{release}"
-    if (root / "tests").is_dir() and (root / ".complete").is_file():
-        return root
     tarball = cache_dir() / f"vllm-{release}.tar.gz"
     if not tarball.is_file():
         _fetch(release, tarball)
@@ -99,18 +97,24 @@ def tests_root(version: str) -> Path:
             raise SdistUnavailable(f"{tarball}: sha256 {digest} is not {release}'s")
     prefix = f"vllm-{release}/"
     with tarfile.open(tarball) as sdist:
-        members = [
-            m
-            for m in sdist.getmembers()
-            if m.isfile()
-            and (
-                m.name.startswith(prefix + "tests/")
-                or m.name == prefix + "pyproject.toml"
-            )
-        ]
-        for m in members:
-            m.name = m.name.removeprefix(prefix)
-        sdist.extractall(root, members=members, filter="data")
+        members = []
+        for m in sdist.getmembers():
+            rel = m.name.removeprefix(prefix)
+            if m.isfile() and any(rel == p or rel.startswith(p + "/") for p in paths):
+                m.name = rel
+                members.append(m)
+        sdist.extractall(dest, members=members, filter="data")
+    return dest
+
+
+def tests_root(version: str) -> Path:
+    """A folder holding ``tests/`` (and ``pyproject.toml``) of the release
+    ``version`` is built from, extracted from its sdist (fetched once)."""
+    release = release_of(version)
+    root = cache_dir() / f"vllm-{release}"
+    if (root / "tests").is_dir() and (root / ".complete").is_file():
+        return root
+    extract(version, ("tests", "pyproject.toml"), root)
     (root / ".complete").write_text(release + "\n")
     return root
 
