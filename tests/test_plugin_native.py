@@ -234,15 +234,16 @@ def test_one_line_per_native_feature_and_its_patches_stand_down(tree_032, model_
     """vLLM 0.32 with the series, on CPU: one line for each of the four
     features, once (registering and building a config twice logs nothing
     more), the budget and layout
-    patches not applied, the option patches applied with the host tier's
-    options only, and a native option given to the plugin refused."""
+    patches not applied, the option patches applied with the host and disk
+    tiers' options only, and a native option given to the plugin refused."""
     report = _probe(tree_032, model_8l)
     assert report["native"] == [f.what for f in FEATURES]
     applied = set(report["applied"])
     assert not applied & (BUDGET | LAYOUTS), applied
     assert {"engine_args_cli", "engine_args_init", "engine_args_config"} <= applied
     assert "kv_cache_configs" in applied  # capacity table, host tier sizing
-    assert report["ours"] == [n for n in report["ours"] if n.startswith("kv_host_")]
+    tiers = ("kv_host_", "kv_disk_")  # the host tier's and its disk tier's
+    assert report["ours"] == [n for n in report["ours"] if n.startswith(tiers)]
     assert report["ours"]
     assert report["host"] == {"kv_host_cache_bytes": "1G"}
     assert "has --kv-cache-tokens natively" in report["refused"], report
