@@ -1199,6 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
             "device_bytes": sizes.device_bytes,
             "kv_bytes_per_token": kvpt,
             "block_size": sizes.block_size,
+            "max_model_len": args.max_model_len,
             "host_bytes": {f"{m:g}x": sizes.host_bytes(m) for m in args.multiples},
         },
         "host_multiples": args.multiples,

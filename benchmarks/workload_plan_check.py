@@ -1,0 +1,189 @@
+"""``kvmem plan --trace`` against workload_bench.py's measured hit rates
+(issue 45, item 5: the planner's prediction within 5 points).
+
+workload_bench.py writes ``<out>_trace.json``: per run, the requests in the
+order the server received them (prompt token ids as it tokenized them,
+max_tokens) and the run's counter deltas. Per run this script writes the
+requests as JSON lines of the planner's ``tokens`` format, replays them with
+``kvmem plan --trace`` at that run's device KV and host size, and sets the
+predicted device and host hit rates beside the measured ones.
+
+Each request's ``output_token_ids`` are the tokens its conversation's next
+turn sends where the answer stood (the answer as the server re-tokenizes
+it): vLLM caches the generated tokens' KV and the next turn can hit it, which
+a trace of ``output_len`` alone (unknown ids) cannot show. A request whose
+conversation has no later turn keeps ``output_len``.
+
+Usage::
+
+    python benchmarks/workload_plan_check.py benchmarks/results/X_trace.json
+        [--out benchmarks/results/X_plan.json] [--max-concurrency 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def with_output_ids(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The trace's requests as planner lines, each answer's token ids taken
+    from the first later prompt that extends this one."""
+    lines = []
+    for i, r in enumerate(requests):
+        ids, n = r["prompt_token_ids"], r.get("output_len") or 1
+        line: dict[str, Any] = {"prompt_token_ids": ids, "output_len": n}
+        for later in requests[i + 1 :]:
+            nxt = later["prompt_token_ids"]
+            if len(nxt) > len(ids) and nxt[: len(ids)] == ids:
+                line["output_token_ids"] = nxt[len(ids) : len(ids) + n]
+                del line["output_len"]
+                break
+        lines.append(line)
+    return lines
+
+
+def predict(
+    trace: dict[str, Any], run: dict[str, Any], max_concurrency: int, tmp: Path
+) -> dict[str, Any]:
+    """``kvmem plan --trace`` on one run's requests at its host size."""
+    sizes = trace["sizes"]
+    path = tmp / f"{run['cell']}-{run['repeat']}.jsonl"
+    path.write_text(
+        "".join(json.dumps(x) + "\n" for x in with_output_ids(run["requests"]))
+    )
+    multiple = run["host_bytes"] / sizes["device_bytes"]
+    argv = [
+        "plan", trace["model"]["path"],
+        "--trace", str(path), "--trace-format", "tokens",
+        "--kv-cache-memory-bytes", str(sizes["device_bytes"]),
+        "--max-model-len", str(
+            sizes.get("max_model_len", sizes["device_tokens"] - sizes["block_size"])
+        ),
+        "--block-size", str(sizes["block_size"]), "--platform", "cpu",
+        "--dtype", trace["model"].get("dtype", "float32"),
+        "--host-sizes", f"{multiple:g}x" if multiple else "0",
+        "--max-concurrency", str(max_concurrency), "--json",
+    ]  # fmt: skip
+    # In this process: vLLM (the block hasher) is imported once, not per run.
+    from vllm_kvmem.cli import main as kvmem
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = kvmem(argv)
+    if code != 0:
+        raise RuntimeError(f"kvmem {' '.join(argv)} exited {code}")
+    (row,) = json.loads(text.getvalue())["rows"]
+    return {"argv": argv, "row": row}
+
+
+def measured(run: dict[str, Any]) -> dict[str, float | None]:
+    m = run["measured"]
+    q = m.get("vllm:prefix_cache_queries") or 0
+    if not q:
+        return {"device_hit_rate": None, "host_hit_rate": None}
+    return {
+        "device_hit_rate": (m.get("vllm:prefix_cache_hits") or 0) / q,
+        "host_hit_rate": (m.get("vllm:external_prefix_cache_hits") or 0) / q,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", type=Path, help="workload_bench.py's <out>_trace.json")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=2,
+        help="requests holding KV at once in the replay (the bench's --clients)",
+    )
+    args = p.parse_args(argv)
+    if not args.trace.is_file():
+        p.error(f"trace {args.trace}: no such file (workload_bench.py writes it)")
+    trace = json.loads(args.trace.read_text())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in trace["runs"]:
+            if run["workload"] != "multi_turn":
+                continue
+            pred = predict(trace, run, args.max_concurrency, Path(tmp))
+            meas = measured(run)
+            row = {
+                "cell": run["cell"],
+                "repeat": run["repeat"],
+                "host_bytes": run["host_bytes"],
+                "measured": meas,
+                "predicted": {
+                    k: pred["row"][k] for k in ("device_hit_rate", "host_hit_rate")
+                },
+                "plan_argv": pred["argv"],
+            }
+            row["error_points"] = {
+                k: None if meas[k] is None else 100 * (row["predicted"][k] - meas[k])
+                for k in meas
+            }
+            rows.append(row)
+            print(
+                f"{run['cell']:<10} #{run['repeat']}  device "
+                f"{_pct(meas['device_hit_rate'])} predicted "
+                f"{_pct(row['predicted']['device_hit_rate'])}   host "
+                f"{_pct(meas['host_hit_rate'])} predicted "
+                f"{_pct(row['predicted']['host_hit_rate'])}"
+            )
+    worst = {
+        k: max(
+            (
+                abs(r["error_points"][k])
+                for r in rows
+                if r["error_points"][k] is not None
+            ),
+            default=None,
+        )
+        for k in ("device_hit_rate", "host_hit_rate")
+    }
+    med = (
+        {
+            k: statistics.median(abs(r["error_points"][k]) for r in rows)
+            for k in ("device_hit_rate", "host_hit_rate")
+        }
+        if rows
+        else {}
+    )
+    print(f"largest |predicted - measured| (points): {worst}; median {med}")
+    out = args.out or args.trace.with_name(
+        args.trace.name.removesuffix("_trace.json") + "_plan.json"
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "trace": str(args.trace),
+                "max_concurrency": args.max_concurrency,
+                "goal_points": 5,
+                "largest_error_points": worst,
+                "median_abs_error_points": med,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    print(f"JSON: {out}")
+    return 0
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:5.1f}%"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
