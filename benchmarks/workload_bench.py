@@ -1264,10 +1264,10 @@ def main(argv: list[str] | None = None) -> int:
                                 ),  # fmt: skip
                                 servers[cell],
                             )
-                finally:
+                finally:  # a sweep stopped (SIGTERM) keeps the runs it made
                     for s in servers.values():
                         s.stop()
-                write_report()
+                    write_report()
 
         if "long_doc" in args.workload_list:
             cells = [c for g in groups for c in g]
