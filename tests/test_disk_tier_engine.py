@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,22 +141,6 @@ def test_two_engines_share_a_directory(model_8l, cold, tmp_path):
     assert again["tokens"] == cold
     assert b["worker"]["disk_hits"] > 0 and _faults(b) == 0
     assert sum(again["cached"]) == b["worker"]["disk_hits"] * 128
-
-
-def test_truncated_files_are_recomputed_and_counted(model_8l, cold, filled, tmp_path):
-    disk, _ = filled
-    broken = tmp_path / "broken"
-    shutil.copytree(disk, broken)
-    files = list(broken.rglob("*.kvb"))
-    assert files
-    for path in files:
-        with open(path, "r+b") as f:
-            f.truncate(path.stat().st_size // 2)
-    run = _run(model_8l, broken, AGAIN)
-    assert run["phases"][0]["tokens"] == cold
-    assert run["worker"]["disk_hits"] == 0
-    assert run["worker"]["disk_faults_truncated"] > 0
-    assert run["scheduler"]["disk_read_failures"] > 0
 
 
 def test_a_full_disk_and_files_truncated_while_it_runs(model_8l, cold, tmp_path):

@@ -1,7 +1,10 @@
 """benchmarks/workload_bench.py end to end in its quick mode: vLLM's own
-multi-turn client (from the sdist) against three OpenAI servers on the tiny
-model: no offload, the plugin's host tier and vLLM's lazy CPU offload on the
-in-tree series, both at 4x the device KV cache.
+multi-turn client (from the sdist) against OpenAI servers on the tiny model:
+no offload and the plugin's host tier at 4x the device KV cache. The third
+arm, vLLM's lazy CPU offload on the in-tree series, is left to the
+benchmark's own runs (about 30 s more here, over the suite's time budget);
+tests/test_intree_offload.py runs lazy offload on the series against the
+tier.
 
 The benchmark takes no lock here (``--lock ''``): run the test under
 ``flock /tmp/kvmem-bench.lock``, as every engine test. The pure helpers
@@ -61,19 +64,20 @@ def test_answers_compared_on_turns_both_runs_finished(bench):
 
 
 @pytest.mark.engine
-def test_quick_run_three_arms(bench, tmp_path):
+def test_quick_run_no_offload_and_tier(bench, tmp_path):
     pytest.importorskip("pandas")  # vLLM's multi-turn client imports it
     out = tmp_path / "workload.json"
     t0 = time.monotonic()
-    assert bench.main(["--quick", "--lock", "", "--out", str(out)]) == 0
+    argv = ["--quick", "--arms", "none,tier", "--lock", "", "--out", str(out)]
+    assert bench.main(argv) == 0
     wall = time.monotonic() - t0
 
     report = json.loads(out.read_text())
     assert report["platform"] == "CPU" and report["quick"] is True
     assert {"created", "command", "summary", "runs", "quiet", "sizes"} <= set(report)
-    assert report["groups"] == [["none", "tier@4x", "lazy@4x"]]
+    assert report["groups"] == [["none", "tier@4x"]]
     cells = {c["cell"]: c for c in report["summary"]["multi_turn"]}
-    assert set(cells) == {"none", "tier@4x", "lazy@4x"}
+    assert set(cells) == {"none", "tier@4x"}
     for c in cells.values():
         assert c["runs"] == 1 and c["failed"] == 0
         for key in ("ttft_p50_ms", "ttft_p90_ms", "itl_p99_ms", "req_per_s"):
@@ -82,7 +86,6 @@ def test_quick_run_three_arms(bench, tmp_path):
     # Both host tiers served prefixes that the device cache had evicted; with
     # no connector nothing came from host memory.
     assert cells["tier@4x"]["host_hit_rate"]["median"] > 0
-    assert cells["lazy@4x"]["host_hit_rate"]["median"] > 0
     assert cells["none"]["host_hit_rate"]["median"] == 0
     runs = {r["cell"]: r for r in report["runs"]}
     assert runs["tier@4x"]["server_counters_delta"]["vllm:kvmem_host_hit_tokens"] > 0
@@ -93,14 +96,13 @@ def test_quick_run_three_arms(bench, tmp_path):
         # The trace holds every prompt token the server was sent.
         assert r["trace_prompt_tokens"]["trace"] == r["trace_prompt_tokens"]["server"]
     # Greedy answers are the same with and without either host tier.
-    for cell in ("tier@4x", "lazy@4x"):
-        cmp = report["correctness"]["multi_turn"][f"{cell}#0"]
-        assert cmp["compared"] > 0 and cmp["matching"] == cmp["compared"], cmp
+    cmp = report["correctness"]["multi_turn"]["tier@4x#0"]
+    assert cmp["compared"] > 0 and cmp["matching"] == cmp["compared"], cmp
 
     trace = json.loads(out.with_name("workload_trace.json").read_text())
-    assert [t["cell"] for t in trace["runs"]] == ["none", "tier@4x", "lazy@4x"]
+    assert [t["cell"] for t in trace["runs"]] == ["none", "tier@4x"]
     for t in trace["runs"]:
         assert len(t["requests"]) == runs[t["cell"]]["summary"]["requests"]
         assert all(q["prompt_token_ids"] for q in t["requests"])
     assert out.with_suffix(".png").stat().st_size > 0
-    print(f"quick three-arm run: {wall:.0f} s, {report['busy_s']:.0f} s not waiting")
+    print(f"quick two-arm run: {wall:.0f} s, {report['busy_s']:.0f} s not waiting")
