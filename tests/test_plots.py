@@ -26,6 +26,7 @@ MODULES = {
     "host_tier_end_to_end": "_host_tier_figures.py",
     "host_tier_serving": "_serving_figures.py",
     "host_tier_stall": "_stall_figures.py",
+    "workload_bench": "workload_bench.py",
     None: "_transfer_report.py",
 }
 
