@@ -70,14 +70,18 @@ def disk_fingerprint(vllm_config: Any, config: HostTierConfig) -> dict[str, Any]
     }
 
 
+def serves_groups(groups: Sequence[Any]) -> bool:
+    """Whether the disk tier serves these hit groups (``GroupWindow``): one
+    full-attention group, so that a hit is a plain prefix of blocks."""
+    return len(groups) == 1 and groups[0].window is None
+
+
 def disk_serves(kv_cache_config: Any) -> bool:
-    """Whether the disk tier serves this KV cache config: one full-attention
-    group (a hit is a plain prefix of blocks); the scheduler's own check is
-    the same, on the groups it matches."""
+    """:func:`serves_groups` for a KV cache config (the workers' check; the
+    scheduler asks it of the groups it matches)."""
     from vllm_kvmem.host_tier.support import hit_groups
 
-    groups = hit_groups(kv_cache_config)
-    return len(groups) == 1 and groups[0].window is None
+    return serves_groups(hit_groups(kv_cache_config))
 
 
 def _ranks(vllm_config: Any) -> list[str]:

@@ -21,7 +21,7 @@ from vllm.utils.mem_constants import MiB_bytes
 from vllm.utils.mem_utils import format_gib
 
 from vllm_kvmem.host_tier.config import HostTierConfig
-from vllm_kvmem.host_tier.disk_tier import SchedulerDisk
+from vllm_kvmem.host_tier.disk_tier import SchedulerDisk, serves_groups
 from vllm_kvmem.host_tier.free_queue import FreeQueueShadow
 from vllm_kvmem.host_tier.host_index import HostBlockIndex
 from vllm_kvmem.host_tier.kv_events import HostKVEvents
@@ -106,7 +106,7 @@ class HostTierScheduler(CountsStats):
         self.loads = LoadQueue(self.slots, budget_blocks)
         self.disk: SchedulerDisk | None = None
         if config.disk_path:
-            if len(self.groups) == 1 and self.groups[0].window is None:
+            if serves_groups(self.groups):
                 self.disk = SchedulerDisk(config, vllm_config)
                 self.slots.index.on_evict = self.disk.demote
             else:
