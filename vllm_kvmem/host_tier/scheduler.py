@@ -250,10 +250,12 @@ class HostTierScheduler(CountsStats):
             self.loads.disk_read_done(slot, False)
         if failed:
             self._count(disk_read_failures=len(failed))
-            logger.warning(
-                "Disk KV tier: %d blocks failed to read back from disk; their "
-                "tokens are recomputed.",
-                len(failed),
+            # Once: the workers' stores log each fault kind once, and the
+            # count goes on in vllm:kvmem_host_disk_read_failures_total.
+            logger.warning_once(
+                "Disk KV tier: blocks failed to read back from disk; their "
+                "tokens are recomputed (counted in "
+                "vllm:kvmem_host_disk_read_failures_total)."
             )
 
     def take_events(self) -> list[Any]:
