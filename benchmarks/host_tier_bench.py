@@ -515,6 +515,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.zero_repeats = args.zero_repeats or (1 if args.quick else 3)
     if any(not 0 <= r <= 1 for r in args.reuse):
         parser.error("--reuse values must lie in [0, 1]")
+    if args.disk_host_prompts <= 0:
+        parser.error(
+            f"--disk-host-prompts={args.disk_host_prompts:g}: the disk arms need a "
+            "host tier of at least part of a prompt, e.g. 1"
+        )
     if args.doc_tokens < 2 * BLOCK_SIZE or args.requests < 1:
         parser.error(f"--doc-tokens must be >= {2 * BLOCK_SIZE}, --requests >= 1")
     return args
