@@ -195,11 +195,14 @@ def server_args(config: str, model: Path) -> list[str]:
         args[args.index(DEVICE_KV)] = DEVICE_FLOOR_KV
     if config.startswith("tier"):
         args += ["--kv-host-cache-bytes", HOST_KV]
-    name, _, late = config.partition("+")
+    name, _, options = config.partition("+")
     if "@" in name:  # tier@SIZE: another per-step copy budget
         args += ["--kv-host-cache-step-bytes", name.split("@", 1)[1]]
-    if late:  # tier+drop: another late-spill policy
-        args += ["--kv-host-cache-late-spill", late]
+    for option in filter(None, options.split("+")):
+        if option == "inline":  # tier+inline: copies in the step, no copy thread
+            args += ["--kv-host-cache-copy-thread", "off"]
+        else:  # tier+drop: another late-spill policy
+            args += ["--kv-host-cache-late-spill", option]
     return args
 
 
@@ -477,14 +480,15 @@ def _configs(s: str) -> list[str]:
     names = [x.strip() for x in s.split(",") if x.strip()]
     bad = []
     for n in names:
-        name, _, late = n.partition("+")
+        name, _, options = n.partition("+")
         base, _, size = name.partition("@")
+        parts = options.split("+") if options else []
         try:
             ok = (n in (*CONFIGS, DEVICE_CONFIG)) or (
                 base == "tier"
                 and (not size or parse_size(size) > 0)
-                and late in ("", "copy", "drop")
-                and n != "tier+"
+                and all(p in ("copy", "drop", "inline") for p in parts)
+                and len(set(parts)) == len(parts)
             )
         except ValueError:
             ok = False
@@ -495,7 +499,8 @@ def _configs(s: str) -> list[str]:
             f"unknown configuration(s) {bad}; use a subset of {','.join(CONFIGS)}, "
             f"{DEVICE_CONFIG} (no tier, D1 kept on the device: the floor), "
             "or tier@SIZE for the tier with --kv-host-cache-step-bytes SIZE "
-            "(e.g. tier@128M), tier+drop for --kv-host-cache-late-spill drop"
+            "(e.g. tier@128M), tier+drop for --kv-host-cache-late-spill drop, "
+            "tier+inline for --kv-host-cache-copy-thread off"
         )
     return names
 

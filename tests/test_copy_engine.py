@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.copy_checks import CASES, round_trip
+from tests.copy_checks import CASES, random_bytes, round_trip
 from vllm_kvmem.host_tier.copy_engine import BlockCopyEngine
 from vllm_kvmem.host_tier.copy_strategy import (
     AUTO_GATHER_MAX_STAGING_BYTES,
@@ -464,3 +464,99 @@ def test_direct_copy_count_matches_what_direct_issues(head_sizes):
     ):
         _, (_, runs) = engine._call_strategy(blocks, slots)
         assert engine._direct_copies(runs) == engine.save(blocks, slots).num_ops
+
+
+# -- the CPU copy thread ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=lambda x: x.name)
+@pytest.mark.parametrize(
+    "head_sizes", [[64] * 4, [64, 64, 64, 32, 32]], ids=["one_region", "two_regions"]
+)
+@pytest.mark.parametrize("case", list(CASES))
+def test_copy_thread_round_trip_bit_exact(layout, head_sizes, case):
+    """Saves and layer-by-layer loads on the copy thread move the same bytes
+    as the copies in the caller's thread, and touch nothing else."""
+    cache = vllm_cache(layout, head_sizes)
+    engine = make_engine(cache, copy_thread=True)
+    try:
+        round_trip(cache, engine, *CASES[case])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("layout", [LBHNC, BLHNC], ids=lambda x: x.name)
+def test_copy_thread_names_every_layer_of_vllms_kv_cache_tensors(layout):
+    """Each layer of vLLM's ``KVCacheTensor``s is one unit of a load, found by
+    where vLLM places its page of block 0 (what the worker maps layer names
+    with), in model order, and its unit holds exactly that layer's bytes."""
+    cache = vllm_cache(layout, [64, 64, 64, 32, 32])
+    engine = make_engine(cache, copy_thread=True)
+    try:
+        starts = engine.layer_unit_starts()
+        names = [
+            (t.offset + i * t.layer_stride, name)
+            for t in cache.config.kv_cache_tensors
+            for i, name in enumerate(t.layers)
+        ]
+        assert sorted(starts) == sorted(s for s, _ in names)
+        assert len(set(starts)) == len(starts) == 5
+        base = cache.base
+        base.copy_(random_bytes(base.numel(), 3, base.device))
+        engine.save([4], [0]).wait()
+        base.zero_()
+        job = engine.load([0], [9])
+        by_start = dict(names)
+        for unit, start in enumerate(starts):
+            job.wait_unit(unit)
+            page = cache.caches[by_start[start]][9].reshape(-1).view(torch.uint8)
+            assert page.any()  # this layer's unit is in place
+        job.wait()
+        assert job.strategy == "layers" and not job.failed
+        assert torch.equal(cache.block_bytes(9), engine.slot_image(0).cpu())
+    finally:
+        engine.close()
+
+
+def test_copy_thread_failure_marks_the_job_and_the_thread_goes_on(monkeypatch):
+    """A copy that raises on the thread fails its job (waiting does not
+    raise: the worker turns it into recomputed blocks); the next job runs."""
+    cache = vllm_cache(LBHNC, [64] * 4)
+    engine = make_engine(cache, copy_thread=True)
+    try:
+        engine.save([1, 2], [0, 1]).wait()
+        real = BlockCopyEngine._load_units
+
+        def broken(self, blocks, slots, progress):
+            progress.advance()  # one unit copied, then the fault
+            raise RuntimeError("injected copy fault")
+
+        monkeypatch.setattr(BlockCopyEngine, "_load_units", broken)
+        job = engine.load([0, 1], [5, 6])
+        job.wait_unit(3)  # returns: the job is over, failed
+        job.wait()
+        assert job.failed and isinstance(job.error, RuntimeError)
+        assert job.block_ids == (5, 6) and job.done()
+        monkeypatch.setattr(BlockCopyEngine, "_load_units", real)
+        ok = engine.load([0, 1], [5, 6])
+        ok.wait()
+        assert not ok.failed
+        assert torch.equal(cache.block_bytes(5), engine.slot_image(0).cpu())
+    finally:
+        engine.close()
+
+
+def test_copy_thread_is_cpu_only_and_auto_wants_a_spare_cpu(monkeypatch):
+    import os
+
+    from vllm_kvmem.host_tier.worker import use_copy_thread
+
+    assert not use_copy_thread("on", "cuda") and not use_copy_thread("auto", "cuda")
+    assert use_copy_thread("on", "cpu") and not use_copy_thread("off", "cpu")
+    threads = torch.get_num_threads()
+    # The machine's CPU affinity, stated: what auto compares the OpenMP
+    # threads of the forward pass with.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads)))
+    assert not use_copy_thread("auto", "cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads + 1)))
+    assert use_copy_thread("auto", "cpu")

@@ -43,6 +43,12 @@ class FakeJob:
     finished: bool = False
     compute_waits: int = 0
     event: object = field(default_factory=object)
+    failed: bool = False
+    future: None = None  # CopyJob's copy-thread run: none on a CUDA stream
+
+    @property
+    def asynchronous(self) -> bool:
+        return True
 
     def done(self) -> bool:
         return self.finished
@@ -57,6 +63,8 @@ class FakeEngine:
     fails as BlockCopyEngine's does, with the real CopyError; ``partial``
     says whether copies were queued before the failure (then the error
     carries a job tracking them)."""
+
+    copy_thread = False  # CUDA: copy streams, not a thread
 
     def __init__(self) -> None:
         self.jobs: list[FakeJob] = []

@@ -126,6 +126,14 @@ def test_tier_budget_variants(bench, tmp_path):
     assert bench._configs("tier+drop,tier@64M+copy") == ["tier+drop", "tier@64M+copy"]
     with pytest.raises(argparse.ArgumentTypeError, match="tier\\+drop"):
         bench._configs("tier+keep")
+    assert bench._configs("tier+inline,tier+drop+inline") == [
+        "tier+inline",
+        "tier+drop+inline",
+    ]
+    assert bench.server_args("tier+inline", tmp_path)[-2:] == [
+        "--kv-host-cache-copy-thread",
+        "off",
+    ]
     step, late = "--kv-host-cache-step-bytes", "--kv-host-cache-late-spill"
     for config, tail in (
         ("tier@256M", ["--kv-host-cache-bytes", "3G", step, "256M"]),

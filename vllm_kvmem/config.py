@@ -96,6 +96,15 @@ class KVMemConfig(BaseModel):
     (the block stays reusable), ``drop`` lets it go (no copy on the critical
     path; a later hit on it recomputes)."""
 
+    kv_host_cache_copy_thread: Literal["auto", "on", "off"] = "auto"
+    """CPU platforms: run the host tier's copies on a copy thread beside the
+    forward pass (the CPU's counterpart of a GPU's copy stream), and let each
+    attention layer wait only for its own KV of a host hit, so that the copy
+    of a hit overlaps the forward pass. ``auto``: on where the engine's
+    OpenMP threads leave a CPU of the process unused (the thread runs
+    there); ``off``: copies run inside the step, before the forward. No
+    effect on GPUs."""
+
     kv_host_cache_verify: bool = False
     """Debug: checksum every block saved to the host tier and verify it when
     it is loaded back; a mismatch turns the block into a miss that vLLM

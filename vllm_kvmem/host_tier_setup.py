@@ -87,6 +87,7 @@ def add_connector_config(engine_args: Any) -> None:
             step_bytes=cfg.kv_host_cache_step_bytes or 0,
             late_spill=cfg.kv_host_cache_late_spill,
             verify=cfg.kv_host_cache_verify,
+            copy_thread=cfg.kv_host_cache_copy_thread,
             disk_path=disk_path,
             disk_bytes=disk_bytes,
         ).to_extra_config(),

@@ -195,6 +195,33 @@ class BlockViews:
             for plan in self.plans
         ]
 
+    def layer_units(self) -> list[tuple[int, torch.Tensor, int, int]]:
+        """``(start byte, device view, host offset, page)`` per layer of every
+        region, in region then layer order: the device view is
+        ``[num_blocks, page]`` (dim 0 indexes blocks), the layer's page of a
+        host slot starts at ``host offset``. A load copied unit by unit can
+        tell each attention layer when its own KV is in place; ``start
+        byte`` (the page of block 0 in the backing allocation, as vLLM's
+        ``KVCacheTensor`` places it) names the layer."""
+        e = self.elem_bytes
+        return [
+            (
+                (plan.offset + layer * plan.layer_stride) * e,
+                torch.as_strided(
+                    plan.base,
+                    (self.num_blocks, plan.page),
+                    (plan.block_stride, 1),
+                    plan.base.storage_offset()
+                    + plan.offset
+                    + layer * plan.layer_stride,
+                ),
+                plan.host_offset + layer * plan.page,
+                plan.page,
+            )
+            for plan in self.plans
+            for layer in range(plan.num_layers)
+        ]
+
     def block_image(self, block_id: int) -> torch.Tensor:
         """A host copy of device block ``block_id`` laid out like a host slot
         (synchronous; ``block_id`` already checked)."""

@@ -16,7 +16,11 @@ from typing import Any, Literal
 #: of PCIe 5 traffic.
 DEFAULT_STEP_BYTES = {"cpu": 256 << 20, "gpu": 512 << 20}
 
-_CHOICES = {"eviction_policy": ("lru", "fifo"), "late_spill": ("copy", "drop")}
+_CHOICES = {
+    "eviction_policy": ("lru", "fifo"),
+    "late_spill": ("copy", "drop"),
+    "copy_thread": ("auto", "on", "off"),
+}
 
 
 def default_step_bytes() -> int:
@@ -44,6 +48,10 @@ class HostTierConfig:
     late_spill: Literal["copy", "drop"] = "copy"
     """A cached block evicted before its background copy ran: copied before
     the step's forward pass, or dropped."""
+    copy_thread: Literal["auto", "on", "off"] = "auto"
+    """CPU: copies on a copy thread beside the forward pass, loads waited for
+    layer by layer; ``auto`` where a CPU is left over by the forward's
+    OpenMP threads."""
     verify: bool = False
     """Checksum every host block and recompute one that does not match."""
     disk_path: str = ""

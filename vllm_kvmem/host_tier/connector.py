@@ -117,6 +117,7 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
                 num_slots=self.num_slots,
                 verify=self.config.verify,
                 disk=disk,
+                copy_thread=self.config.copy_thread,
             )
 
     @classmethod
@@ -216,7 +217,8 @@ class KVMemHostTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_connector_worker_meta()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self.connector_worker is not None:
+            self.connector_worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         return None

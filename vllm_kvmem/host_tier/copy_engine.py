@@ -34,8 +34,11 @@ directly; larger blocks, and every block-outer layout on CPU, go direct.
 
 Everything here is torch only (no vLLM import), so it unit-tests on CPU in
 milliseconds and can be reused outside vLLM. On CUDA the copies run on a
-dedicated stream into pinned host memory and complete asynchronously; on CPU
-the same API runs the copies synchronously. The byte geometry lives in
+dedicated stream into pinned host memory and complete asynchronously; on
+CPU the same API runs the copies synchronously, or, with
+``copy_thread=True``, on one copy thread beside the forward pass (the CPU's
+copy stream), loads layer by layer so that each attention layer waits for
+its own KV only. The byte geometry lives in
 ``kv_region``, the views the copies read and write in ``block_views``, the
 strategy choice and its constants in ``copy_strategy``, the host pool and
 its pinning in ``host_pool``.
@@ -46,7 +49,9 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -81,7 +86,11 @@ class CopyJob:
     On CUDA the job completes asynchronously: ``done()`` polls its event,
     ``wait()`` blocks the host on it, and ``make_current_stream_wait()``
     makes a compute stream wait for it on the device without blocking the
-    host. On CPU the copies are already done when the job is returned.
+    host. On CPU the copies are already done when the job is returned, or,
+    on an engine with a copy thread, run there (``future``): waiting is a
+    host wait, and ``wait_unit(i)`` waits for a load's first ``i + 1``
+    layer units only. A copy that fails on the thread sets ``failed`` and
+    ``error``; waiting never raises.
     """
 
     direction: Direction
@@ -95,9 +104,25 @@ class CopyJob:
     #: the failure; the destination holds no complete copy.
     failed: bool = False
     strategy: str = ""
+    #: The copy thread's run of this job (CPU engines with a copy thread).
+    future: Future[None] | None = field(default=None, repr=False)
+    #: What the copy thread raised (``failed`` is then set).
+    error: BaseException | None = field(default=None, repr=False)
+    #: The device blocks and host slots the job copies (for its failure).
+    block_ids: tuple[int, ...] = field(default=(), repr=False)
+    slot_ids: tuple[int, ...] = field(default=(), repr=False)
+    _units: _UnitProgress | None = field(default=None, repr=False)
+
+    @property
+    def asynchronous(self) -> bool:
+        """True when the job may finish after it is returned (a CUDA event or
+        the copy thread): its owner tracks it until ``done()``."""
+        return self.event is not None or self.future is not None
 
     def done(self) -> bool:
         """True when the copies have finished (never blocks)."""
+        if self.future is not None:
+            return self.future.done()
         if self.event is None:
             return True
         if not self.event.query():
@@ -107,22 +132,59 @@ class CopyJob:
 
     def wait(self) -> None:
         """Block the host until the copies have finished (this job only)."""
+        if self.future is not None:
+            self.future.result()  # the thread's run never raises
         if self.event is not None:
             self.event.synchronize()
         self._keepalive.clear()
+
+    def wait_unit(self, unit: int | None) -> None:
+        """Block the host until layer unit ``unit`` of a load on the copy
+        thread is in place (every unit: None, or a job not copied by unit)."""
+        if unit is None or self._units is None:
+            self.wait()
+        else:
+            self._units.wait(unit)
 
     def make_current_stream_wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Order ``stream`` (default: the current stream) after this job.
 
         A load's consumer calls this before kernels read the loaded blocks; a
         save's owner calls it before kernels overwrite the saved blocks. The
-        dependency lives on the device: the host is not blocked.
+        dependency lives on the device: the host is not blocked. On the copy
+        thread's jobs the host is the compute stream: it waits.
         """
+        if self.future is not None:
+            self.wait()
+            return
         if self.event is None:
             return
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.event)
+
+
+class _UnitProgress:
+    """How many layer units of a load the copy thread has finished."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._done = 0
+        self._over = False
+
+    def advance(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._over = True
+            self._cond.notify_all()
+
+    def wait(self, unit: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._over or self._done > unit)
 
 
 class CopyError(RuntimeError):
@@ -334,6 +396,11 @@ class BlockCopyEngine:
     slot whose save is in flight, say). Not thread-safe: submit from one
     thread. ``close()`` drains both streams and releases the pool, at engine
     shutdown rather than whenever the garbage collector gets to it.
+
+    ``copy_thread`` (CPU only): the copies run on one thread in submission
+    order, both directions, so ``after`` holds by construction; loads go
+    layer unit by layer unit (:meth:`layer_unit_starts`), saves as above.
+    Worth it where a CPU is left over by the forward pass's OpenMP threads.
     """
 
     def __init__(
@@ -344,6 +411,7 @@ class BlockCopyEngine:
         *,
         strategy: Strategy = "auto",
         max_staging_bytes: int = DEFAULT_MAX_STAGING_BYTES,
+        copy_thread: bool = False,
     ) -> None:
         if not regions:
             raise ValueError("BlockCopyEngine needs at least one KVRegion")
@@ -395,6 +463,14 @@ class BlockCopyEngine:
             # The smaller cap the budget reserves for block-outer layouts.
             staging_cap = min(staging_cap, AUTO_GATHER_MAX_STAGING_BYTES)
         self._gather = PageGather(self._views, pool, self.device, staging_cap)
+        if copy_thread and self._is_cuda:
+            raise ValueError("copy_thread is for CPU engines; CUDA has copy streams")
+        self._thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvmem-host-copy")
+            if copy_thread
+            else None
+        )
+        self._units = self._views.layer_units() if copy_thread else []
 
     # -- public API ---------------------------------------------------------
 
@@ -432,6 +508,16 @@ class BlockCopyEngine:
             )
         return self._views.block_image(block_id)
 
+    @property
+    def copy_thread(self) -> bool:
+        return self._thread is not None
+
+    def layer_unit_starts(self) -> list[int]:
+        """Byte offset in the backing allocation of each layer unit's page of
+        block 0, in the order a load on the copy thread finishes them (empty
+        without a copy thread); ``CopyJob.wait_unit`` takes the position."""
+        return [start for start, *_ in self._units]
+
     def slot_image(self, slot_id: int) -> torch.Tensor:
         """The bytes of host slot ``slot_id`` (a view of the pool)."""
         return self._views.pool[slot_id].view(torch.uint8)
@@ -447,6 +533,8 @@ class BlockCopyEngine:
         self._closed = True
         for stream in self._streams.values():
             stream.synchronize()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         # Drop the engine's own view too, or it would keep the bytes alive.
         self._views.release_pool()
         self.pool.release()
@@ -515,6 +603,10 @@ class BlockCopyEngine:
             return self._gather.issue(direction, blocks, slots, keep, self._copy)
 
         keep: list[torch.Tensor] = []
+        if self._thread is not None:
+            if direction == "load":
+                return self._on_thread(direction, blocks, slots, "layers", None)
+            return self._on_thread(direction, blocks, slots, strategy, issue)
         stream = self._streams.get(direction)
         if stream is None:
             # CPU: every earlier job is complete, so ``after`` holds already.
@@ -588,6 +680,68 @@ class BlockCopyEngine:
             max_staging_bytes=self._gather.staging_cap,
         )
         return chosen, (pairs, runs)
+
+    def _on_thread(
+        self,
+        direction: Direction,
+        blocks: list[int],
+        slots: list[int],
+        strategy: str,
+        issue: Callable[[list[torch.Tensor]], int] | None,
+    ) -> CopyJob:
+        """Queue one job on the copy thread: ``issue`` (saves), or a load unit
+        by unit. A failure marks the job; the thread goes on with the next."""
+        n = len(blocks)
+        job = CopyJob(
+            direction,
+            n,
+            n * self.slot_bytes,
+            0,
+            strategy=strategy,
+            block_ids=tuple(blocks),
+            slot_ids=tuple(slots),
+            _units=_UnitProgress() if issue is None else None,
+        )
+
+        def run() -> None:
+            try:
+                # The copy thread does not inherit the engine's inference mode.
+                with torch.inference_mode():
+                    if issue is None:
+                        job.num_ops = self._load_units(blocks, slots, job._units)
+                    else:
+                        job.num_ops = issue([])
+            except BaseException as exc:  # noqa: BLE001 - reported by the job
+                job.failed, job.error = True, exc
+            finally:
+                if job._units is not None:
+                    job._units.finish()
+
+        assert self._thread is not None
+        job.future = self._thread.submit(run)
+        return job
+
+    def _load_units(self, blocks: list[int], slots: list[int], progress: Any) -> int:
+        """Scatter host slots into device blocks one layer unit at a time,
+        each straight from the pool when the slots run consecutively."""
+        pairs = sorted(zip(slots, blocks))
+        every = [s for s, _ in pairs]
+        one_run = len(_runs(every)) == 1
+        block_index = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+        slot_index = None if one_run else torch.tensor(every, dtype=torch.int64)
+        pool = self._views.pool
+        num_ops = 0
+        for _, view, host_offset, page in self._units:
+            columns = pool[:, host_offset : host_offset + page]
+            if slot_index is None:
+                rows = columns[every[0] : every[0] + len(every)]
+            else:
+                rows = torch.index_select(columns, 0, slot_index)
+                num_ops += 1
+            view.index_put_((block_index,), rows)
+            num_ops += 1
+            progress.advance()
+        return num_ops
 
     def _direct_copies(self, runs: list[tuple[int, int]]) -> int:
         """Copies :meth:`_issue_direct` issues for ``runs``."""

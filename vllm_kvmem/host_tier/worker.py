@@ -7,6 +7,7 @@ another copy of the same block or slot.
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import deque
@@ -43,10 +44,13 @@ class HostTierWorker(CountsStats):
         num_slots: int,
         verify: bool,
         disk: Callable[[], Any] | None = None,
+        copy_thread: str = "auto",
     ) -> None:
         """``disk``: makes this rank's ``WorkerDisk`` (the disk tier behind
-        the host), called once the rank's place in the pipeline is known."""
+        the host), called once the rank's place in the pipeline is known;
+        ``copy_thread``: ``auto``, ``on`` or ``off`` (:func:`use_copy_thread`)."""
         super().__init__()
+        self.copy_thread = copy_thread
         self._make_disk = disk
         self._disk: Any = None
         self._idle = False  # this step computes nothing (HostTierMetadata.idle)
@@ -56,7 +60,8 @@ class HostTierWorker(CountsStats):
         self.verify = verify
         self._engine: Any = None
         self._last_seq = 0
-        # In-flight jobs (GPU only; CPU copies are complete when issued).
+        # In-flight jobs (GPU, or CPU with a copy thread; other CPU copies
+        # are complete when issued).
         # (job, blocks, slots) of saves still in flight
         self._save_jobs: list[tuple[Any, list[int], list[int]]] = []
         self._ahead_jobs: deque[tuple[int, Any]] = deque()  # (step, job)
@@ -75,6 +80,12 @@ class HostTierWorker(CountsStats):
         self._save_causes: set[str] = set()  # logged once each
         # The compute stream's waits on copies (timed on CUDA devices).
         self._waits = StreamWaitTimer(None)
+        # CPU with a copy thread: each attention layer's unit in a load
+        # (CopyJob.wait_unit), and the synchronous loads of this step, which
+        # the layers wait for one by one.
+        self._by_layer = False
+        self._layer_units: dict[str, int] = {}
+        self._step_loads: list[Any] = []
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         if not self.enabled:
@@ -114,17 +125,35 @@ class HostTierWorker(CountsStats):
         pool = HostBlockPool.for_regions(
             regions, self.num_slots, cudart=_pinning_runtime()
         )
-        self._engine = BlockCopyEngine(regions, pool, device=base.device)
+        copy_thread = use_copy_thread(self.copy_thread, base.device.type)
+        self._engine = BlockCopyEngine(
+            regions, pool, device=base.device, copy_thread=copy_thread
+        )
+        self._layer_units = {}
+        self._by_layer = copy_thread
+        if copy_thread:
+            unit_of = {
+                start: i for i, start in enumerate(self._engine.layer_unit_starts())
+            }
+            for tensor in cfg.kv_cache_tensors:
+                for i, name in enumerate(tensor.layers):
+                    unit = unit_of.get(tensor.offset + i * tensor.layer_stride)
+                    if unit is not None:  # else the layer waits for all units
+                        self._layer_units[name] = unit
         if self._make_disk is not None and self._disk is None:
             self._disk = self._make_disk()
         self._waits = StreamWaitTimer(self._engine.device)
         logger.info(
             "Host KV tier on this rank: %d slots x %d bytes = %s GiB of %s host "
-            "memory.",
+            "memory.%s",
             self.num_slots,
             pool.slot_bytes,
             format_gib(pool.nbytes),
             "pinned" if pool.pinned else "pageable (pre-faulting in the background)",
+            " Copies run on a copy thread beside the forward pass; a loaded "
+            "prefix is waited for layer by layer."
+            if copy_thread
+            else "",
         )
 
     def shutdown(self) -> None:
@@ -148,6 +177,7 @@ class HostTierWorker(CountsStats):
         meta = kv_connector_metadata
         if self._engine is None or not isinstance(meta, HostTierMetadata):
             return
+        self._finish_step_loads()
         self._last_seq = meta.seq
         self._idle = meta.idle
         if meta.stale_slots:
@@ -171,9 +201,10 @@ class HostTierWorker(CountsStats):
             if job is not None:
                 waits.append(job)
         self._waits.wait(waits)  # device-side; no host wait
+        self._reap_saves()  # a copy-thread save that failed: not on the host
         if meta.ahead_saves:
             job = self._save(meta.ahead_saves)
-            if job is not None and job.event is not None:
+            if job is not None and job.asynchronous:
                 self._ahead_jobs.append((meta.seq, job))
         self._count_waits(started)
 
@@ -223,12 +254,13 @@ class HostTierWorker(CountsStats):
         except Exception as exc:
             return self._save_failed(exc, blocks, slots)
         self._bad_slots.difference_update(slots)
-        if job.event is not None:
+        if job.asynchronous:
             self._save_jobs.append((job, blocks, slots))
         if self.verify:
             job.wait()
-            for slot in slots:
-                self._checksums[slot] = _crc(self._engine.slot_image(slot))
+            if not job.failed:
+                for slot in slots:
+                    self._checksums[slot] = _crc(self._engine.slot_image(slot))
         return job
 
     def _save_failed(self, exc: Exception, blocks: list[int], slots: list[int]) -> Any:
@@ -236,7 +268,16 @@ class HostTierWorker(CountsStats):
         are not on the host (the scheduler is told and forgets them; until
         then no load reads these slots), and the copies it had queued are
         still waited for before the blocks or slots are reused."""
-        cause = getattr(exc, "cause", exc)
+        self._note_failed_save(getattr(exc, "cause", exc), blocks, slots)
+        partial = getattr(exc, "job", None)
+        if partial is None or partial.event is None:
+            return None
+        self._save_jobs.append((partial, blocks, slots))
+        return partial
+
+    def _note_failed_save(
+        self, cause: BaseException, blocks: list[int], slots: list[int]
+    ) -> None:
         key = f"{type(cause).__name__}: {cause}"
         if key not in self._save_causes:
             self._save_causes.add(key)
@@ -252,11 +293,14 @@ class HostTierWorker(CountsStats):
         self._failed_saves += [(slot, self._last_seq) for slot in slots]
         for slot in slots:
             self._checksums.pop(slot, None)
-        partial = getattr(exc, "job", None)
-        if partial is None or partial.event is None:
-            return None
-        self._save_jobs.append((partial, blocks, slots))
-        return partial
+
+    def _reap_saves(self) -> None:
+        """Copy-thread saves that failed: their slots hold no good copy (the
+        scheduler is told, as for a save that fails when issued)."""
+        for job, blocks, slots in self._save_jobs:
+            if job.failed and job.error is not None and job.done():
+                cause, job.error = job.error, None  # noted once
+                self._note_failed_save(cause, blocks, slots)
 
     def start_load_kv(self, meta: Any) -> None:
         """This step's loads (``meta``: the metadata vLLM bound to the
@@ -277,7 +321,10 @@ class HostTierWorker(CountsStats):
             job = self._load(chunk) if chunk.blocks else None
             if chunk.sync:
                 if job is not None:
-                    waits.append(job)  # the forward reads these blocks
+                    # The forward reads these blocks: the compute stream
+                    # waits for them, or (copy thread) each attention layer
+                    # for its own unit (wait_for_layer_load).
+                    (self._step_loads if self._by_layer else waits).append(job)
                 if self.verify:
                     if job is not None:
                         job.wait()
@@ -323,9 +370,41 @@ class HostTierWorker(CountsStats):
                 self._load_jobs.append((partial, slots))
                 partial.make_current_stream_wait()
             return None
-        if job.event is not None:
+        if job.asynchronous:
             self._load_jobs.append((job, slots))
         return job
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before an attention layer runs (copy thread): its unit of this
+        step's synchronous loads is in place."""
+        if not self._step_loads:
+            return
+        started = time.perf_counter()
+        unit = self._layer_units.get(layer_name)
+        for job in self._step_loads:
+            job.wait_unit(unit)
+        self._count(copy_wait_seconds=time.perf_counter() - started)
+
+    def _finish_step_loads(self) -> None:
+        """After the forward (copy thread): this step's synchronous loads are
+        done, and the blocks of any that failed are recomputed."""
+        if not self._step_loads:
+            return
+        jobs, self._step_loads = self._step_loads, []
+        for job in jobs:
+            job.wait()
+            if job.failed:
+                self._load_failed(job)
+
+    def _load_failed(self, job: Any) -> None:
+        logger.error(
+            "Host KV tier: loading %d blocks on the copy thread failed (%s: %s); "
+            "they will be recomputed.",
+            job.num_blocks,
+            type(job.error).__name__,
+            job.error,
+        )
+        self._load_errors.update(job.block_ids)
 
     def _saves_touching(self, blocks: list[int], slots: list[int]) -> list[Any]:
         """In-flight saves a load must follow: from a slot it reads, or of a
@@ -340,6 +419,7 @@ class HostTierWorker(CountsStats):
         ]
 
     def _prune(self) -> None:
+        self._reap_saves()
         self._save_jobs = [x for x in self._save_jobs if not x[0].done()]
         self._load_jobs = [x for x in self._load_jobs if not x[0].done()]
         while self._ahead_jobs and self._ahead_jobs[0][1].done():
@@ -348,11 +428,15 @@ class HostTierWorker(CountsStats):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_step_loads()
         done = set()
         for req_id in list(self._reportable):
             jobs = self._loads.get(req_id, [])
             if not all(job.done() for job in jobs):
                 continue
+            for job in jobs:
+                if job.failed and job.future is not None:
+                    self._load_failed(job)
             self._reportable.discard(req_id)
             self._loads.pop(req_id, None)
             pairs = self._load_pairs.pop(req_id, [])
@@ -411,6 +495,19 @@ class HostTierWorker(CountsStats):
             self._count(**disk)
         stats = self._take_stats()
         return None if stats is None or stats.is_empty() else stats
+
+
+def use_copy_thread(setting: str, device_type: str) -> bool:
+    """Whether a rank's copies run on a copy thread: CPU only (CUDA has copy
+    streams); ``auto`` where the forward pass's OpenMP threads leave a CPU
+    of this process unused, which the thread then has to itself."""
+    if device_type != "cpu" or setting == "off":
+        return False
+    if setting == "on":
+        return True
+    import torch
+
+    return len(os.sched_getaffinity(0)) > torch.get_num_threads()
 
 
 def _pinning_runtime() -> Any:
