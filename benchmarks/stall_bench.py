@@ -206,12 +206,16 @@ def server_args(config: str, model: Path) -> list[str]:
     return args
 
 
-def server_env() -> dict[str, str]:
+def server_env(threads: int | None = None) -> dict[str, str]:
+    """The server's environment; ``threads``: its engine's OpenMP threads
+    (None: vLLM's default, every CPU)."""
     from vllm_kvmem.demo_engine import engine_env
 
+    extra = {"OMP_NUM_THREADS": str(threads)} if threads else {}
     return engine_env(
         VLLM_LOGGING_LEVEL=os.environ.get("STALL_BENCH_LOG_LEVEL", "INFO"),
         VLLM_SERVER_DEV_MODE="1",
+        **extra,
     )
 
 
@@ -442,7 +446,7 @@ def run_one(config: str, model: Path, workdir: Path, n: int, prompts, args):
     server = ApiServer(
         server_args(config, model),
         log,
-        env=server_env(),
+        env=server_env(args.threads),
         cwd=workdir,
         ready_timeout_s=READY_TIMEOUT_S,
     )
@@ -568,6 +572,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"again (default {IDLE_BUSY_MAX})",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OpenMP threads of each server's engine (default: vLLM's, every "
+        "CPU); with fewer than the CPUs, the host tier's copy thread runs on "
+        "a CPU of its own (--kv-host-cache-copy-thread auto)",
+    )
+    parser.add_argument(
         "--retries",
         type=int,
         default=2,
@@ -632,6 +644,7 @@ def build_report(
         "model": {
             "path": str(model),
             "shape": args.model_shape,
+            "engine_threads": args.threads,
             **asdict(shape),
             "kv_bytes_per_token": shape.kv_bytes_per_token(),
         },
