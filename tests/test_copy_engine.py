@@ -473,14 +473,24 @@ def test_direct_copy_count_matches_what_direct_issues(head_sizes):
 @pytest.mark.parametrize(
     "head_sizes", [[64] * 4, [64, 64, 64, 32, 32]], ids=["one_region", "two_regions"]
 )
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "many_runs"])
 def test_copy_thread_round_trip_bit_exact(layout, head_sizes, case):
     """Saves and layer-by-layer loads on the copy thread move the same bytes
-    as the copies in the caller's thread, and touch nothing else."""
+    as the copies in the caller's thread, and touch nothing else: run by run
+    or, past MAX_UNIT_RUNS runs, scattered with one index_put_ per unit."""
+    from vllm_kvmem.host_tier.copy_engine import MAX_UNIT_RUNS
+
     cache = vllm_cache(layout, head_sizes)
     engine = make_engine(cache, copy_thread=True)
+    n = MAX_UNIT_RUNS + 1  # no two consecutive: n runs
+    many = (
+        [2 * i for i in range(n)],
+        [3 * i for i in range(n)],
+        [2 * i + 1 for i in range(n)],
+    )
+    args = many if case == "many_runs" else CASES[case]
     try:
-        round_trip(cache, engine, *CASES[case])
+        round_trip(cache, engine, *args)
     finally:
         engine.close()
 
