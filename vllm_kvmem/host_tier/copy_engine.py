@@ -729,9 +729,7 @@ class BlockCopyEngine:
         job.future = self._thread.submit(run)
         return job
 
-    def _load_units(
-        self, blocks: list[int], slots: list[int], progress: Any
-    ) -> int:
+    def _load_units(self, blocks: list[int], slots: list[int], progress: Any) -> int:
         """Scatter host slots into device blocks one layer unit at a time: a
         plain copy per run of consecutive blocks and slots where the runs
         are few (memcpy speed), else one ``index_put_`` per unit (from the
