@@ -12,12 +12,23 @@ Each request's ``output_token_ids`` are the tokens its conversation's next
 turn sends where the answer stood (the answer as the server re-tokenizes
 it): vLLM caches the generated tokens' KV and the next turn can hit it, which
 a trace of ``output_len`` alone (unknown ids) cannot show. A request whose
-conversation has no later turn keeps ``output_len``.
+conversation has no later turn keeps ``output_len``. That holds for a model
+with real weights, whose answer re-tokenizes to the ids it generated; a
+published shape served with ``--load-format dummy`` (the trace's
+``model.shape``) generates random ids, which decode to little but spaces
+and re-tokenize to other ids (an answer of n tokens comes back as about n/2
+space tokens), so its generated KV never matches a later prompt: there every
+request keeps ``output_len`` (``--answers auto``).
+
+The replay runs the bench's clients as a closed loop (``--max-concurrency``,
+the bench's ``--clients``) through a server (``send_delay=1``, the planner's
+default).
 
 Usage::
 
     python benchmarks/workload_plan_check.py benchmarks/results/X_trace.json
         [--out benchmarks/results/X_plan.json] [--max-concurrency 2]
+        [--answers auto|next-turn|unknown]
 """
 
 from __future__ import annotations
@@ -35,14 +46,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def with_output_ids(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+ANSWERS = ("auto", "next-turn", "unknown")
+
+
+def with_output_ids(
+    requests: list[dict[str, Any]], answers: bool = True
+) -> list[dict[str, Any]]:
     """The trace's requests as planner lines, each answer's token ids taken
-    from the first later prompt that extends this one."""
+    from the first later prompt that extends this one (``answers``; else
+    every answer is ``output_len`` unknown tokens)."""
     lines = []
     for i, r in enumerate(requests):
         ids, n = r["prompt_token_ids"], r.get("output_len") or 1
         line: dict[str, Any] = {"prompt_token_ids": ids, "output_len": n}
-        for later in requests[i + 1 :]:
+        for later in requests[i + 1 :] if answers else ():
             nxt = later["prompt_token_ids"]
             if len(nxt) > len(ids) and nxt[: len(ids)] == ids:
                 line["output_token_ids"] = nxt[len(ids) : len(ids) + n]
@@ -53,14 +70,17 @@ def with_output_ids(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def predict(
-    trace: dict[str, Any], run: dict[str, Any], max_concurrency: int, tmp: Path
+    trace: dict[str, Any],
+    run: dict[str, Any],
+    max_concurrency: int,
+    tmp: Path,
+    answers: bool = True,
 ) -> dict[str, Any]:
     """``kvmem plan --trace`` on one run's requests at its host size."""
     sizes = trace["sizes"]
     path = tmp / f"{run['cell']}-{run['repeat']}.jsonl"
-    path.write_text(
-        "".join(json.dumps(x) + "\n" for x in with_output_ids(run["requests"]))
-    )
+    lines = with_output_ids(run["requests"], answers)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     multiple = run["host_bytes"] / sizes["device_bytes"]
     argv = [
         "plan", trace["model"]["path"],
@@ -107,16 +127,29 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="requests holding KV at once in the replay (the bench's --clients)",
     )
+    p.add_argument(
+        "--answers",
+        choices=ANSWERS,
+        default="auto",
+        help="each answer's KV: the ids the next turn re-sends (next-turn), or "
+        "tokens no prompt matches (unknown); auto: unknown for a published "
+        "shape served with dummy weights, else next-turn",
+    )
     args = p.parse_args(argv)
     if not args.trace.is_file():
         p.error(f"trace {args.trace}: no such file (workload_bench.py writes it)")
     trace = json.loads(args.trace.read_text())
+    answers = args.answers
+    if answers == "auto":
+        answers = "unknown" if trace["model"].get("shape") else "next-turn"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in trace["runs"]:
             if run["workload"] != "multi_turn":
                 continue
-            pred = predict(trace, run, args.max_concurrency, Path(tmp))
+            pred = predict(
+                trace, run, args.max_concurrency, Path(tmp), answers == "next-turn"
+            )
             meas = measured(run)
             row = {
                 "cell": run["cell"],
@@ -168,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "trace": str(args.trace),
                 "max_concurrency": args.max_concurrency,
+                "answers": answers,
                 "goal_points": 5,
                 "largest_error_points": worst,
                 "median_abs_error_points": med,

@@ -2,8 +2,8 @@
 
 Unit tests replay hand-built traces whose hits follow from vLLM's block pool
 rules by reasoning (block size 4 unless said: a "block" below is 4 tokens);
-one engine test holds the prediction to a real engine with the host tier,
-request by request.
+two engine tests hold the prediction to a real engine with the host tier,
+request by request: one request at a time, and clients in a closed loop.
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ def test_copies_ahead_of_eviction_can_crowd_a_small_host():
 
 def test_concurrent_requests_share_held_blocks():
     """With 2 requests at a time the second finds the first's prefix held on
-    the device (a hit on a running request's blocks); where both do not fit,
-    the oldest finishes first and its cached blocks still serve the hit."""
+    the device (a hit on a running request's blocks, cached as they were
+    scheduled); where both do not fit, the second waits for the first to
+    finish, whose cached blocks still serve the hit."""
     trace = _tokens(PREFIX + [1], PREFIX + [2])
     assert _hits(trace, 9, [0], max_concurrency=2)[0][1] == (3, 0)
     assert _hits(trace, 5, [0], max_concurrency=2)[0][1] == (3, 0)
@@ -318,25 +319,22 @@ def _engine_trace() -> list[dict]:
     return trace
 
 
-@pytest.mark.engine
-def test_prediction_matches_the_engine_request_by_request(model_8l):
-    """One request at a time on a CPU engine with the host tier (24 MiB of
-    device KV, 16 MiB of host): the device and host hit tokens of every
-    request are the prediction's, with the device's block count the
-    planner's."""
-    trace = _engine_trace()
+def _serve(model, trace, host_mb, concurrency=0, max_num_seqs=1):
+    """The engine's report for ``trace`` (tests/trace_replay_engine.py): 24
+    MiB of device KV, ``host_mb`` MiB of host; ``concurrency`` clients in a
+    closed loop (0: one request at a time through ``LLM.generate``)."""
     kwargs = dict(
-        model=str(model_8l),
+        model=str(model),
         kv_cache_memory_bytes=24 << 20,
         max_model_len=2048,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         dtype="float32",
         enforce_eager=True,
-        kv_host_cache_bytes=ENGINE_HOST_MB << 20,
+        kv_host_cache_bytes=host_mb << 20,
     )
+    workload = {"requests": trace, "concurrency": concurrency}
     done = subprocess.run(
-        [sys.executable, str(ENGINE_SCRIPT), json.dumps(kwargs)]
-        + [json.dumps({"requests": trace})],
+        [sys.executable, str(ENGINE_SCRIPT), json.dumps(kwargs), json.dumps(workload)],
         cwd=ROOT,
         env=engine_env(),
         capture_output=True,
@@ -346,6 +344,23 @@ def test_prediction_matches_the_engine_request_by_request(model_8l):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     (line,) = [x for x in done.stdout.splitlines() if x.startswith(REPORT_PREFIX)]
     engine = json.loads(line[len(REPORT_PREFIX) :])
+    assert engine["num_gpu_blocks"] == 24
+    assert engine["block_size"] == ENGINE_BS
+    assert engine["host_slots"] == host_mb  # 1 MiB blocks
+    assert [r["generated"] for r in engine["requests"]] == [
+        t["output_len"] for t in trace
+    ]
+    return engine
+
+
+@pytest.mark.engine
+def test_prediction_matches_the_engine_request_by_request(model_8l):
+    """One request at a time on a CPU engine with the host tier (24 MiB of
+    device KV, 16 MiB of host): the device and host hit tokens of every
+    request are the prediction's, with the device's block count the
+    planner's."""
+    trace = _engine_trace()
+    engine = _serve(model_8l, trace, ENGINE_HOST_MB)
     cap = plan_capacity(
         model_8l,
         platform="cpu",
@@ -353,12 +368,7 @@ def test_prediction_matches_the_engine_request_by_request(model_8l):
         max_model_len=2048,
         budget_bytes=24 << 20,
     )
-    assert engine["num_gpu_blocks"] == cap.num_blocks == 24
-    assert engine["block_size"] == ENGINE_BS
-    assert engine["host_slots"] == ENGINE_HOST_MB  # 1 MiB blocks
-    assert [r["generated"] for r in engine["requests"]] == [
-        t["output_len"] for t in trace
-    ]
+    assert cap.num_blocks == engine["num_gpu_blocks"]
     (row,) = predict(
         trace,
         cap.num_blocks,
@@ -374,3 +384,41 @@ def test_prediction_matches_the_engine_request_by_request(model_8l):
     # The case is not trivial: host hits, whole and partial, and misses.
     host = [h for _, _, h in measured]
     assert sum(host) > 0 and 0 in host[6:] and ENGINE_BS * 2 in host
+
+
+@pytest.mark.engine
+def test_prediction_matches_concurrent_clients(model_8l):
+    """Three clients in a closed loop (each sends the trace's next request as
+    soon as its last one ends, in the engine's process: ``send_delay=0``) on
+    a CPU engine with an 8-block host: every request's device and host hit
+    tokens are the prediction's, exactly. Requests hit prefixes that running
+    requests hold or that finished between their steps, so a replay of one
+    request at a time gets them wrong."""
+    trace = _engine_trace()
+    engine = _serve(model_8l, trace, 8, concurrency=3, max_num_seqs=3)
+    (row,) = predict(
+        trace,
+        engine["num_gpu_blocks"],
+        [engine["host_slots"]],
+        ENGINE_BS,
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        max_concurrency=3,
+        send_delay=0,
+        per_request=True,
+    )
+    measured = [
+        [r["prompt_tokens"], r["device"], r["host"]] for r in engine["requests"]
+    ]
+    assert row["requests"] == measured
+    assert row["host_hit_tokens"] == engine["host_total"] > 0
+    assert row["device_hit_tokens"] > 0
+    # Concurrency changes the hits: one at a time predicts other ones.
+    (alone,) = predict(
+        trace,
+        engine["num_gpu_blocks"],
+        [engine["host_slots"]],
+        ENGINE_BS,
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        per_request=True,
+    )
+    assert alone["requests"] != row["requests"]

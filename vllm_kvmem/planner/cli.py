@@ -158,8 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency",
         type=int,
         default=1,
-        help="requests holding KV blocks at once in the replay (default "
-        "%(default)s: one at a time)",
+        help="clients in a closed loop in the replay, each sending the "
+        "trace's next request once its last one ended, as through a server "
+        "(default %(default)s: one request at a time)",
     )
     trace.add_argument(
         "--kv-host-cache-policy",

@@ -24,19 +24,24 @@ tier's scheduler side move blocks:
   do (``spill_ahead``: its scan window). A step's copies and hits are pinned
   for that step: a copy that finds every slot pinned is not made.
 
-Steps: a request's prompt blocks are allocated in its first step, then one
-block at a time as decoding fills them (a walk of the free queue after
-each); the walk also goes on in decode steps that allocate nothing when a
-full host stopped it. Concurrency: requests run in trace order, each holding
-its blocks from its admission to its end, with at most ``max_concurrency``
-holding at once (the oldest ends first; a request that does not fit ends
-more). With 1 (the default) this is vLLM serving one request at a time,
-which a CPU engine matches request by request (tests/test_planner_trace.py).
+Steps, as vLLM 0.32's scheduler runs them: the running requests' next
+tokens first (a new block when one starts; a request that finds no free
+block preempts the newest running one, recomputed later), then the waiting
+requests in trace order while their blocks fit, the prompt's in one step; a
+full block is cached when scheduled, so a request hits a prefix another
+running request computes. The step's evicted blocks then go to the host
+and the tier walks the free queue; finished requests free their blocks at
+the step's end. Requests come from ``max_concurrency`` clients in a closed
+loop: a client sends the trace's next request when its last one ended,
+``send_delay`` steps later while other requests run (a server: 1). With 1
+client this is vLLM serving one request at a time; a CPU engine matches the
+replay request by request, one at a time and with clients in its own
+process (``send_delay=0``; tests/test_planner_trace.py).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -200,8 +205,20 @@ class DeviceCache:
             self.free[block] = None
 
 
+@dataclass
+class _Request:
+    """A request's state in the replay's scheduler."""
+
+    req: ReplayRequest
+    index: int
+    length: int  # vLLM's num_tokens: prompt and tokens sampled so far
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is computed (or scheduled this step)
+    preempted: bool = False
+
+
 class Replay:
-    """The two caches, fed one request at a time."""
+    """The two caches under vLLM's scheduler, one step at a time."""
 
     def __init__(
         self,
@@ -212,12 +229,18 @@ class Replay:
         policy: str = "lru",
         max_concurrency: int = 1,
         spill_ahead: int = 0,
+        send_delay: int = 1,
     ) -> None:
         """``device_blocks``: vLLM's ``num_gpu_blocks`` (the null block
         included); ``host_blocks``: the tier's slots (0: no tier);
-        ``spill_ahead``: blocks at the head of the free queue the tier copies
-        ahead of eviction (its scan window; 0: only evicted blocks go to the
-        host)."""
+        ``max_concurrency``: requests in flight at once (the clients of a
+        closed loop); ``spill_ahead``: blocks at the head of the free queue
+        the tier copies ahead of eviction (its scan window; 0: only evicted
+        blocks go to the host); ``send_delay``: steps the engine runs, while
+        other requests run, between a request's end and its client's next
+        request reaching the scheduler (1: a server, whose engine core goes
+        on while the answer reaches the client and the next request comes
+        back; 0: a client in the engine's own process)."""
         if block_size < 1:
             raise ValueError(f"--block-size={block_size}: must be positive, e.g. 16")
         if max_concurrency < 1:
@@ -227,39 +250,112 @@ class Replay:
             )
         if host_blocks < 0:
             raise ValueError(f"host size of {host_blocks} blocks: must be 0 or more")
+        if send_delay < 0:
+            raise ValueError(f"send delay of {send_delay} steps: must be 0 or more")
         self.device = DeviceCache(device_blocks)
         self.host = HostCache(host_blocks, policy)
         self.block_size = block_size
         self.max_concurrency = max_concurrency
         self.spill_ahead = spill_ahead if host_blocks else 0
-        self.running: list[list[int]] = []  # block ids, oldest request first
+        self.send_delay = send_delay
+        self.running: list[_Request] = []  # in admission order, as vLLM's
+        self.waiting: deque[_Request] = deque()
+        # The clients with no request in flight: the step from which each
+        # one's next request can be scheduled.
+        self._clients: deque[int] = deque([0] * max_concurrency)
+        self._step = 0
         self.result = ReplayResult()
         # The background walk's place: free blocks it has looked at, which it
         # does not look at again until they leave the free queue.
         self._walked: set[int] = set()
         self._cursor: int | None = None
-        self._stalled = False  # the last walk stopped at a full host
+        # This step's blocks handed out (the tier is told of them) and the
+        # keys evicted by them (late spills, after the step's lookups).
+        self._allocated: list[int] = []
+        self._evicted: list[Hashable] = []
 
     def run(self, requests: Sequence[ReplayRequest]) -> ReplayResult:
+        usable = len(self.device.ref) - 1
         for i, req in enumerate(requests):
-            self.admit(req, i)
-        while self.running:
-            self.device.release(self.running.pop(0))
+            if len(req.keys) < req.num_tokens // self.block_size:
+                raise ValueError(
+                    f"request {i}: {len(req.keys)} block keys for "
+                    f"{req.num_tokens} tokens of KV"
+                )
+            need = -(-req.num_tokens // self.block_size)
+            if need > usable:
+                raise ValueError(
+                    f"request {i} needs {need} KV blocks, more than the device's "
+                    f"{usable}: raise --kv-cache-memory-bytes or leave the "
+                    "request out"
+                )
+            self.waiting.append(_Request(req, i, req.prompt_len))
+        self.result.requests = [RequestHits(r.prompt_len, 0, 0) for r in requests]
+        while self.waiting or self.running:
+            self.step()
         self.result.host_saves = self.host.saves
         self.result.host_drops = self.host.drops
         return self.result
 
-    def admit(self, req: ReplayRequest, index: int = 0) -> None:
-        bs = self.block_size
-        if len(self.running) >= self.max_concurrency:
-            self.device.release(self.running.pop(0))
-        need = -(-req.num_tokens // bs)
-        if len(req.keys) < req.num_tokens // bs:
-            raise ValueError(
-                f"request {index}: {len(req.keys)} block keys for "
-                f"{req.num_tokens} tokens of KV"
-            )
-        limit = min(len(req.keys), max(req.prompt_len - 1, 0) // bs)
+    def step(self) -> None:
+        """One scheduling pass and its forward, as vLLM 0.32 runs them: the
+        running requests' next tokens first (a request that finds no free
+        block preempts the newest running one), then, when none was
+        preempted, the waiting requests in order while their blocks fit (a
+        new one once a client has sent it); then the tier's late spills and
+        walk; finished requests free their blocks at the end, and their
+        clients send the next request."""
+        self._step += 1
+        self._allocated, self._evicted = [], []
+        self.host.pinned = set()
+        preempted = False
+        for r in list(self.running):
+            if r not in self.running:
+                continue  # preempted by an older request this step
+            if -(-(r.computed + 1) // self.block_size) > len(r.blocks):
+                while not self.device.num_free and r in self.running:
+                    self._preempt(self.running.pop())
+                    preempted = True
+                if r not in self.running:
+                    continue
+                self._allocate(r.blocks, 1)
+            r.computed += 1
+            self._cache(r)
+        while not preempted and self.waiting and self._sent(self.waiting[0]):
+            if not self._admit(self.waiting[0]):
+                break  # vLLM waits for room (FCFS)
+            r = self.waiting.popleft()
+            if not r.preempted:
+                self._clients.popleft()
+            self.running.append(r)
+        if self.host.num_blocks:
+            for key in self._evicted:  # the tier's eviction check
+                self.host.put(key)
+        self._walk(self._allocated)
+        for r in list(self.running):  # sampled this step
+            r.length += 1
+            if r.computed >= r.req.num_tokens:
+                self.running.remove(r)
+                self.device.release(r.blocks)
+                self._clients.append(self._step + 1 + self.send_delay)
+
+    def _sent(self, r: _Request) -> bool:
+        """Whether the waiting request ``r`` has reached the scheduler: a
+        preempted one has; a new one once a client is free and its delay is
+        over, or at once when nothing runs (the engine idles until it
+        comes)."""
+        if r.preempted:
+            return True
+        if not self._clients:
+            return False
+        return self._clients[0] <= self._step or not self.running
+
+    def _admit(self, r: _Request) -> bool:
+        """Schedule a waiting request: its device hit, the host's run after
+        it, and blocks for every token; False when they do not fit (it
+        waits)."""
+        bs, req = self.block_size, r.req
+        limit = min(len(req.keys), max(r.length - 1, 0) // bs)
         device_hit: list[int] = []
         for key in req.keys[:limit]:
             block = self.device.cached(key)
@@ -271,64 +367,54 @@ class Replay:
             if key not in self.host:
                 break
             host_hit += 1
-        new = need - len(device_hit)
-        # vLLM waits (or preempts) until the running requests leave room.
-        while self._room(device_hit) < new and self.running:
-            self.device.release(self.running.pop(0))
+        new = -(-r.length // bs) - len(device_hit)
         if self._room(device_hit) < new:
-            raise ValueError(
-                f"request {index} needs {need} KV blocks, more than the device's "
-                f"{len(self.device.ref) - 1}: raise --kv-cache-memory-bytes or "
-                "leave the request out"
-            )
+            if not self.running:
+                raise AssertionError("a request that fits found no room")
+            return False
         for block in device_hit:
             self.device.touch(block)
         start = len(device_hit)
         hit_keys = req.keys[start : start + host_hit]
-        self.host.pinned = set(hit_keys)  # the step's pins start with the hit
+        self.host.pinned.update(hit_keys)  # pinned until the step's end
         for key in hit_keys:
             self.host.touch(key)
-        blocks = list(device_hit)
-        # The prompt's blocks in its first step, then one block at a time as
-        # decoding fills them, the tier walking the free queue after each.
-        prompt_blocks = max(-(-req.prompt_len // bs), start + host_hit)
-        self._allocate(blocks, min(prompt_blocks, need) - start, admitted=True)
-        full = req.num_tokens // bs
-        for pos in range(start, min(len(blocks), full)):
-            self.device.set_key(blocks[pos], req.keys[pos])
-        for computed in range(req.prompt_len + 1, req.num_tokens + 1):
-            # A decode step: a new block when its token starts one; the walk
-            # goes on where a full host stopped it in an earlier step.
-            if -(-computed // bs) > len(blocks):
-                self._allocate(blocks, 1)
-            elif self._stalled:
-                self._walk(())
-                self.host.pinned = set()
-            if computed % bs == 0 and computed // bs <= full:
-                self.device.set_key(
-                    blocks[computed // bs - 1], req.keys[computed // bs - 1]
-                )
-        self.running.append(blocks)
-        self.result.requests.append(
-            RequestHits(req.prompt_len, start * bs, host_hit * bs)
-        )
+        r.blocks = list(device_hit)
+        self._allocate(r.blocks, new)
+        # The tier is told of every block of the request (its hits too).
+        self._allocated += r.blocks[:start]
+        r.computed = r.length
+        self._cache(r)
+        if not r.preempted:  # vLLM counts a preempted request's lookup apart
+            self.result.requests[r.index] = RequestHits(
+                req.prompt_len, start * bs, host_hit * bs
+            )
+        return True
 
-    def _allocate(self, blocks: list[int], n: int, admitted: bool = False) -> None:
-        """One step's new blocks from the free queue's head: evicted cached
-        blocks go to the host (late spills), then the tier's walk (told of
-        every block of the request in the step that admits it, as vLLM tells
-        the tier)."""
-        added = []
+    def _preempt(self, r: _Request) -> None:
+        """vLLM's preemption: the blocks freed, the request back at the head
+        of the waiting queue, recomputed from its tokens so far."""
+        self.device.release(r.blocks)
+        r.blocks, r.computed, r.preempted = [], 0, True
+        self.waiting.appendleft(r)
+
+    def _cache(self, r: _Request) -> None:
+        """Key the request's blocks its scheduled tokens fill (vLLM caches a
+        full block when it schedules it)."""
+        full = min(r.computed, r.req.num_tokens) // self.block_size
+        for pos in range(full):
+            self.device.set_key(r.blocks[pos], r.req.keys[pos])
+
+    def _allocate(self, blocks: list[int], n: int) -> None:
+        """``n`` new blocks from the free queue's head; the keys they held are
+        evicted (the tier copies them at the step's end)."""
         for _ in range(n):
             block, evicted = self.device.pop()
             if evicted is not None:
                 self.result.device_evictions += 1
-                if self.host.num_blocks:
-                    self.host.put(evicted)
-            added.append(block)
-        blocks += added
-        self._walk(blocks if admitted else added)
-        self.host.pinned = set()  # the step's copies are with the workers
+                self._evicted.append(evicted)
+            blocks.append(block)
+            self._allocated.append(block)
 
     def _room(self, hit: Sequence[int]) -> int:
         """Free blocks left once a device hit's free blocks leave the queue."""
@@ -340,10 +426,10 @@ class Replay:
         queue's head with no host copy are copied there. As the tier's walk,
         a block is looked at once while it stays free, and every block is
         looked at again when the walk's place (the last block it looked at)
-        leaves the free queue."""
+        leaves the free queue; a host whose slots are all pinned stops it
+        (the next step goes on)."""
         if not self.spill_ahead:
             return
-        self._stalled = False
         walked = self._walked
         for block in allocated:
             walked.discard(block)
@@ -359,7 +445,6 @@ class Replay:
                 continue
             key = device.key_of[block]
             if key is not None and key not in host and not host.put(key):
-                self._stalled = True  # every slot pinned: the next step goes on
-                break
+                break  # every slot pinned: the next step goes on
             walked.add(block)
             self._cursor = block

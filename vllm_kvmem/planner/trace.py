@@ -140,6 +140,7 @@ def predict(
     policy: str = "lru",
     max_concurrency: int = 1,
     spill_ahead: int | None = None,
+    send_delay: int = 1,
     max_num_batched_tokens: int = 2048,
     hash_algo: str | None = "sha256",
     per_request: bool = False,
@@ -154,7 +155,10 @@ def predict(
     ``Capacity.num_blocks``, or vLLM's "GPU KV cache size" / block size + 1).
     ``host_blocks_list``: host tier slots to try (0: no tier).
     ``spill_ahead``: blocks the tier copies ahead of eviction (default: its
-    scan window for ``max_num_batched_tokens``). ``hash_algo``: vLLM's
+    scan window for ``max_num_batched_tokens``). ``max_concurrency``: clients
+    of a closed loop, each sending its next request of the trace once its
+    last one ended, ``send_delay`` steps later (1: through a server; 0: in
+    the engine's process). ``hash_algo``: vLLM's
     ``--prefix-caching-hash-algo``; ``None`` keys blocks by their tokens
     (same hits, no vLLM import). ``per_request``: add each request's hits.
 
@@ -185,6 +189,7 @@ def predict(
             policy=policy,
             max_concurrency=max_concurrency,
             spill_ahead=spill_ahead,
+            send_delay=send_delay,
         ).run(replayed)
         total = result.prompt_tokens
         row: dict[str, Any] = {
