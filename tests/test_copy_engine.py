@@ -570,3 +570,51 @@ def test_copy_thread_is_cpu_only_and_auto_wants_a_spare_cpu(monkeypatch):
     assert not use_copy_thread("auto", "cpu")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(threads + 1)))
     assert use_copy_thread("auto", "cpu")
+
+
+def test_copy_threads_run_loads_beside_saves_and_honour_after():
+    """One thread per direction, as the CUDA copy streams: a load is not
+    queued behind a save in flight, and a load given that save in ``after``
+    starts only once it is done (what the worker asks for when the load
+    reads a slot the save writes)."""
+    import threading
+
+    cache = vllm_cache(BLHNC, [64] * 4)
+    engine = make_engine(cache, copy_thread=True)
+    release, saving = threading.Event(), threading.Event()
+    release.set()  # saves go through until it is cleared
+    direct, load_units = engine._issue_direct, engine._load_units
+    done = []
+
+    def held_save(direction, *runs):
+        if not release.is_set():
+            saving.set()
+            release.wait()
+        n = direct(direction, *runs)
+        done.append("save")
+        return n
+
+    def recorded_load(*args):
+        n = load_units(*args)
+        done.append("load")
+        return n
+
+    engine._issue_direct, engine._load_units = held_save, recorded_load
+    try:
+        base = cache.base
+        base.copy_(random_bytes(base.numel(), 5, base.device))
+        engine.save([1], [1]).wait()
+        release.clear()
+        save = engine.save([2], [2])
+        saving.wait()  # the save thread is inside this save, held
+        engine.load([1], [10]).wait()  # another slot: done meanwhile
+        assert not save.done() and done == ["save", "load"]
+        dependent = engine.load([2], [11], after=[save])
+        release.set()
+        dependent.wait()
+        assert done == ["save", "load", "save", "load"]
+        assert torch.equal(cache.block_bytes(10), engine.slot_image(1).cpu())
+        assert torch.equal(cache.block_bytes(11), engine.slot_image(2).cpu())
+    finally:
+        release.set()
+        engine.close()

@@ -97,8 +97,9 @@ class KVMemConfig(BaseModel):
     path; a later hit on it recomputes)."""
 
     kv_host_cache_copy_thread: Literal["auto", "on", "off"] = "auto"
-    """CPU platforms: run the host tier's copies on a copy thread beside the
-    forward pass (the CPU's counterpart of a GPU's copy stream), and let each
+    """CPU platforms: run the host tier's copies on copy threads beside the
+    forward pass, one per direction (the CPU's counterpart of a GPU's copy
+    streams), and let each
     attention layer wait only for its own KV of a host hit, so that the copy
     of a hit overlaps the forward pass. ``auto``: on where the engine's
     OpenMP threads leave a CPU of the process unused (the thread runs

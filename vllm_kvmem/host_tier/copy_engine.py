@@ -36,9 +36,9 @@ Everything here is torch only (no vLLM import), so it unit-tests on CPU in
 milliseconds and can be reused outside vLLM. On CUDA the copies run on a
 dedicated stream into pinned host memory and complete asynchronously; on
 CPU the same API runs the copies synchronously, or, with
-``copy_thread=True``, on one copy thread beside the forward pass (the CPU's
-copy stream), loads layer by layer so that each attention layer waits for
-its own KV only. The byte geometry lives in
+``copy_thread=True``, on a copy thread per direction beside the forward
+pass (the CPU's copy streams), loads layer by layer so that each attention
+layer waits for its own KV only. The byte geometry lives in
 ``kv_region``, the views the copies read and write in ``block_views``, the
 strategy choice and its constants in ``copy_strategy``, the host pool and
 its pinning in ``host_pool``.
@@ -405,8 +405,10 @@ class BlockCopyEngine:
     thread. ``close()`` drains both streams and releases the pool, at engine
     shutdown rather than whenever the garbage collector gets to it.
 
-    ``copy_thread`` (CPU only): the copies run on one thread in submission
-    order, both directions, so ``after`` holds by construction; loads go
+    ``copy_thread`` (CPU only): the copies run on one thread per direction,
+    as the CUDA copy streams do: jobs of one direction in submission order,
+    a job starting after the jobs in its ``after`` (a host wait on the
+    thread), so a load is never queued behind background saves. Loads go
     layer unit by layer unit (:meth:`layer_unit_starts`), saves as above.
     Worth it where a CPU is left over by the forward pass's OpenMP threads.
     """
@@ -473,10 +475,13 @@ class BlockCopyEngine:
         self._gather = PageGather(self._views, pool, self.device, staging_cap)
         if copy_thread and self._is_cuda:
             raise ValueError("copy_thread is for CPU engines; CUDA has copy streams")
-        self._thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="kvmem-host-copy")
+        self._threads: dict[Direction, ThreadPoolExecutor] = (
+            {
+                d: ThreadPoolExecutor(1, thread_name_prefix=f"kvmem-host-{d}")
+                for d in DIRECTIONS
+            }
             if copy_thread
-            else None
+            else {}
         )
         self._units = self._views.layer_units() if copy_thread else []
 
@@ -518,7 +523,7 @@ class BlockCopyEngine:
 
     @property
     def copy_thread(self) -> bool:
-        return self._thread is not None
+        return bool(self._threads)
 
     def layer_unit_starts(self) -> list[int]:
         """Byte offset in the backing allocation of each layer unit's page of
@@ -541,8 +546,8 @@ class BlockCopyEngine:
         self._closed = True
         for stream in self._streams.values():
             stream.synchronize()
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        for thread in self._threads.values():
+            thread.shutdown(wait=True)
         # Drop the engine's own view too, or it would keep the bytes alive.
         self._views.release_pool()
         self.pool.release()
@@ -611,10 +616,10 @@ class BlockCopyEngine:
             return self._gather.issue(direction, blocks, slots, keep, self._copy)
 
         keep: list[torch.Tensor] = []
-        if self._thread is not None:
+        if self._threads:
             if direction == "load":
-                return self._on_thread(direction, blocks, slots, "layers", None)
-            return self._on_thread(direction, blocks, slots, strategy, issue)
+                return self._on_thread(direction, blocks, slots, "layers", None, after)
+            return self._on_thread(direction, blocks, slots, strategy, issue, after)
         stream = self._streams.get(direction)
         if stream is None:
             # CPU: every earlier job is complete, so ``after`` holds already.
@@ -696,9 +701,12 @@ class BlockCopyEngine:
         slots: list[int],
         strategy: str,
         issue: Callable[[list[torch.Tensor]], int] | None,
+        after: Sequence[CopyJob],
     ) -> CopyJob:
-        """Queue one job on the copy thread: ``issue`` (saves), or a load unit
-        by unit. A failure marks the job; the thread goes on with the next."""
+        """Queue one job on its direction's copy thread, to start once the
+        jobs in ``after`` (the other direction's) are done: ``issue``
+        (saves), or a load unit by unit. A failure marks the job; the thread
+        goes on with the next."""
         n = len(blocks)
         job = CopyJob(
             direction,
@@ -712,6 +720,8 @@ class BlockCopyEngine:
         )
 
         def run() -> None:
+            for job_before in after:
+                job_before.wait()
             try:
                 # The copy thread does not inherit the engine's inference mode.
                 with torch.inference_mode():
@@ -725,8 +735,7 @@ class BlockCopyEngine:
                 if job._units is not None:
                     job._units.finish()
 
-        assert self._thread is not None
-        job.future = self._thread.submit(run)
+        job.future = self._threads[direction].submit(run)
         return job
 
     def _load_units(self, blocks: list[int], slots: list[int], progress: Any) -> int:
