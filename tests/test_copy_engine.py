@@ -618,3 +618,30 @@ def test_copy_threads_run_loads_beside_saves_and_honour_after():
     finally:
         release.set()
         engine.close()
+
+
+def test_copy_thread_load_after_a_failed_save_fails_too(monkeypatch):
+    """A load that reads slots a failed save was writing must not copy them
+    (they hold no complete copy): it fails, and the worker recomputes its
+    blocks. A load with no failed save before it is not affected."""
+    cache = vllm_cache(LBHNC, [64] * 4)
+    engine = make_engine(cache, copy_thread=True)
+    try:
+        engine.save([3], [3]).wait()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected save fault")
+
+        monkeypatch.setattr(engine._gather, "issue", broken)
+        save = engine.save([1], [0])
+        load = engine.load([0], [5], after=[save])
+        load.wait()
+        assert save.failed and load.failed
+        assert "save into the slots it reads failed" in str(load.error)
+        monkeypatch.undo()
+        other = engine.load([3], [6])  # no failed save before it
+        other.wait()
+        assert not other.failed
+        assert torch.equal(cache.block_bytes(6), engine.slot_image(3).cpu())
+    finally:
+        engine.close()

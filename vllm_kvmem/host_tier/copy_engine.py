@@ -723,6 +723,12 @@ class BlockCopyEngine:
             for job_before in after:
                 job_before.wait()
             try:
+                if issue is None and any(
+                    j.failed and j.direction == "save" for j in after
+                ):
+                    # Its slots hold no complete copy: loading them would
+                    # serve wrong KV; failing the load recomputes the blocks.
+                    raise RuntimeError("a save into the slots it reads failed")
                 # The copy thread does not inherit the engine's inference mode.
                 with torch.inference_mode():
                     if issue is None:
