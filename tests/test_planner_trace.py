@@ -353,6 +353,25 @@ def _serve(model, trace, host_mb, concurrency=0, max_num_seqs=1):
     return engine
 
 
+def _predict_engine(trace, engine, num_blocks, **kw):
+    """The prediction, request by request, for ``trace`` on a device of
+    ``num_blocks`` blocks and ``engine``'s host and batch size."""
+    (row,) = predict(
+        trace,
+        num_blocks,
+        [engine["host_slots"]],
+        ENGINE_BS,
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        per_request=True,
+        **kw,
+    )
+    return row
+
+
+def _measured(engine):
+    return [[r["prompt_tokens"], r["device"], r["host"]] for r in engine["requests"]]
+
+
 @pytest.mark.engine
 def test_prediction_matches_the_engine_request_by_request(model_8l):
     """One request at a time on a CPU engine with the host tier (24 MiB of
@@ -369,17 +388,8 @@ def test_prediction_matches_the_engine_request_by_request(model_8l):
         budget_bytes=24 << 20,
     )
     assert cap.num_blocks == engine["num_gpu_blocks"]
-    (row,) = predict(
-        trace,
-        cap.num_blocks,
-        [engine["host_slots"]],
-        ENGINE_BS,
-        max_num_batched_tokens=engine["max_num_batched_tokens"],
-        per_request=True,
-    )
-    measured = [
-        [r["prompt_tokens"], r["device"], r["host"]] for r in engine["requests"]
-    ]
+    row = _predict_engine(trace, engine, cap.num_blocks)
+    measured = _measured(engine)
     assert row["requests"] == measured
     # The case is not trivial: host hits, whole and partial, and misses.
     host = [h for _, _, h in measured]
@@ -396,29 +406,11 @@ def test_prediction_matches_concurrent_clients(model_8l):
     request at a time gets them wrong."""
     trace = _engine_trace()
     engine = _serve(model_8l, trace, 8, concurrency=3, max_num_seqs=3)
-    (row,) = predict(
-        trace,
-        engine["num_gpu_blocks"],
-        [engine["host_slots"]],
-        ENGINE_BS,
-        max_num_batched_tokens=engine["max_num_batched_tokens"],
-        max_concurrency=3,
-        send_delay=0,
-        per_request=True,
-    )
-    measured = [
-        [r["prompt_tokens"], r["device"], r["host"]] for r in engine["requests"]
-    ]
-    assert row["requests"] == measured
+    blocks = engine["num_gpu_blocks"]
+    row = _predict_engine(trace, engine, blocks, max_concurrency=3, send_delay=0)
+    assert row["requests"] == _measured(engine)
     assert row["host_hit_tokens"] == engine["host_total"] > 0
     assert row["device_hit_tokens"] > 0
     # Concurrency changes the hits: one at a time predicts other ones.
-    (alone,) = predict(
-        trace,
-        engine["num_gpu_blocks"],
-        [engine["host_slots"]],
-        ENGINE_BS,
-        max_num_batched_tokens=engine["max_num_batched_tokens"],
-        per_request=True,
-    )
+    alone = _predict_engine(trace, engine, blocks)
     assert alone["requests"] != row["requests"]

@@ -46,6 +46,10 @@ class Job:
         self.stream, self.done_at = stream, done_at
         self.event = object()
 
+    @property
+    def asynchronous(self) -> bool:  # as CopyJob's: a job with an event
+        return self.event is not None
+
     def make_current_stream_wait(self, stream=None) -> None:
         assert stream is None  # the current stream
         self.stream.t = max(self.stream.t, self.done_at)

@@ -207,14 +207,7 @@ class BlockViews:
         return [
             (
                 (plan.offset + layer * plan.layer_stride) * e,
-                torch.as_strided(
-                    plan.base,
-                    (self.num_blocks, plan.page),
-                    (plan.block_stride, 1),
-                    plan.base.storage_offset()
-                    + plan.offset
-                    + layer * plan.layer_stride,
-                ),
+                plan.layer_view()[:, layer],
                 plan.host_offset + layer * plan.page,
                 plan.page,
             )

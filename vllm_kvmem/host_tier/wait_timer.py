@@ -60,12 +60,7 @@ class StreamWaitTimer:
     def wait(self, jobs: Sequence[Any]) -> None:
         """Order the current stream after every job in ``jobs`` (device-side,
         the host is not blocked); time it if this call is sampled."""
-        jobs = [
-            j
-            for j in jobs
-            if getattr(j, "event", None) is not None
-            or getattr(j, "future", None) is not None  # CPU copy thread: host wait
-        ]
+        jobs = [j for j in jobs if j.asynchronous]  # else complete when returned
         if not jobs:
             return
         self._calls += 1
