@@ -210,10 +210,21 @@ def test_corrupted_host_block_is_recomputed_not_served(model_8l, in_process):
     assert worker.totals["load_errors"] >= 1
 
 
+@pytest.mark.parametrize("copy_thread", ["off", "on"])
 def test_abort_while_loads_are_queued_releases_everything(
-    model_8l, in_process, monkeypatch
+    model_8l, in_process, monkeypatch, copy_thread
 ):
-    llm, sched, tier = _engine(model_8l, kv_host_cache_step_bytes=BLOCK_BYTES)
+    """An aborted request's queued loads are cancelled; its chunk in flight
+    still lands (on the copy thread: whenever the thread gets to it, while
+    vLLM keeps stepping: the request is finished but still holds blocks),
+    and then everything is released."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm, sched, tier = _engine(
+        model_8l,
+        kv_host_cache_step_bytes=BLOCK_BYTES,
+        kv_host_cache_copy_thread=copy_thread,
+    )
     docs = host_tier_workload()["prompts"]
     llm.generate(docs, _params(4), use_tqdm=False)
     pool = sched.kv_cache_manager.block_pool
@@ -226,11 +237,17 @@ def test_abort_while_loads_are_queued_releases_everything(
     (victim,) = _internal_ids(sched, "victim")
     assert victim in tier.loads.queue  # the rest waits
     engine.abort_request(["victim"])
-    for _ in range(20):  # bounded: the cancelled load reports within a step
-        if not engine.has_unfinished_requests() and not _internal_ids(sched, "victim"):
-            break
-        engine.step()
+    assert sched.has_requests()  # vLLM's engine loop keeps stepping for it
+    worker = get_kv_transfer_group().connector_worker
+    assert worker._engine.copy_thread == (copy_thread == "on")
+    for jobs in list(worker._loads.values()):
+        for job in jobs:
+            job.wait()  # the chunk in flight (on the copy thread) lands
+    # One step: the cancelled rest goes out as an empty last chunk, and the
+    # worker reports the request's loads finished.
+    engine.step()
     assert not _internal_ids(sched, "victim")
+    assert not sched.has_requests()
     assert tier.index.pinned_slots == 0
     assert not tier.loads.queue and not tier.loads.inflight and not tier.matcher.matched
     assert pool.get_num_free_blocks() == free
