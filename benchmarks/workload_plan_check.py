@@ -20,9 +20,14 @@ and re-tokenize to other ids (an answer of n tokens comes back as about n/2
 space tokens), so its generated KV never matches a later prompt: there every
 request keeps ``output_len`` (``--answers auto``).
 
-The replay runs the bench's clients as a closed loop (``--max-concurrency``,
-the bench's ``--clients``) through a server (``send_delay=1``, the planner's
-default).
+The replay runs the multi-turn bench's clients as a closed loop
+(``--max-concurrency``, the bench's ``--clients``) through a server
+(``send_delay=1``, the planner's default). A long-document run is one
+``generate`` call of vLLM's offline client: every prompt is submitted at once
+(``--max-concurrency`` the run's request count). Its trace is the measured
+pass only; the client's warm-up pass before it ("This is warm up request
+i ...") shares no block with it (vLLM's block hashes chain from the first
+token), so the replay from empty caches counts the same hits.
 
 Usage::
 
@@ -106,6 +111,18 @@ def predict(
     return {"argv": argv, "row": row}
 
 
+def ensure_model(model: dict[str, Any]) -> None:
+    """The trace's published shape is rebuilt where it was (its config and
+    tokenizer: ``out/`` is scratch); a tiny model must still be there."""
+    path = Path(model["path"])
+    if (path / "config.json").exists() or not model.get("shape"):
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _model import PublishedShape
+
+    PublishedShape(model["shape"], model.get("dtype", "bfloat16")).ensure(path.parent)
+
+
 def measured(run: dict[str, Any]) -> dict[str, float | None]:
     m = run["measured"]
     q = m.get("vllm:prefix_cache_queries") or 0
@@ -125,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-concurrency",
         type=int,
         default=2,
-        help="requests holding KV at once in the replay (the bench's --clients)",
+        help="multi-turn runs: clients in the replay's closed loop (the bench's "
+        "--clients); a long-document run submits every prompt at once",
     )
     p.add_argument(
         "--answers",
@@ -139,19 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     if not args.trace.is_file():
         p.error(f"trace {args.trace}: no such file (workload_bench.py writes it)")
     trace = json.loads(args.trace.read_text())
+    ensure_model(trace["model"])
     answers = args.answers
     if answers == "auto":
         answers = "unknown" if trace["model"].get("shape") else "next-turn"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for run in trace["runs"]:
-            if run["workload"] != "multi_turn":
-                continue
-            pred = predict(
-                trace, run, args.max_concurrency, Path(tmp), answers == "next-turn"
-            )
+            offline = run["workload"] == "long_doc"
+            clients = len(run["requests"]) if offline else args.max_concurrency
+            pred = predict(trace, run, clients, Path(tmp), answers == "next-turn")
             meas = measured(run)
             row = {
+                "workload": run["workload"],
                 "cell": run["cell"],
                 "repeat": run["repeat"],
                 "host_bytes": run["host_bytes"],
@@ -167,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(row)
             print(
-                f"{run['cell']:<10} #{run['repeat']}  device "
+                f"{run['workload']:<10} {run['cell']:<10} #{run['repeat']}  device "
                 f"{_pct(meas['device_hit_rate'])} predicted "
                 f"{_pct(row['predicted']['device_hit_rate'])}   host "
                 f"{_pct(meas['host_hit_rate'])} predicted "

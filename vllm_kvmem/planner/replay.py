@@ -22,7 +22,10 @@ tier's scheduler side move blocks:
   refreshed). After each step, cached free blocks near the head of the free
   queue are copied ahead of their eviction, as the tier's background saves
   do (``spill_ahead``: its scan window). A step's copies and hits are pinned
-  for that step: a copy that finds every slot pinned is not made.
+  for that step: a copy that finds every slot pinned is not made. A waiting
+  request that does not fit was still looked up (vLLM asks the tier before
+  it allocates): its host hit is refreshed, and stays pinned until its next
+  lookup, every step it waits at the head of the queue.
 
 Steps, as vLLM 0.32's scheduler runs them: the running requests' next
 tokens first (a new block when one starts; a request that finds no free
@@ -273,6 +276,9 @@ class Replay:
         # keys evicted by them (late spills, after the step's lookups).
         self._allocated: list[int] = []
         self._evicted: list[Hashable] = []
+        # The host hit of a waiting request that did not fit, per request:
+        # the tier pins it until the request's next lookup.
+        self._held: dict[int, list[Hashable]] = {}
 
     def run(self, requests: Sequence[ReplayRequest]) -> ReplayResult:
         usable = len(self.device.ref) - 1
@@ -307,7 +313,7 @@ class Replay:
         clients send the next request."""
         self._step += 1
         self._allocated, self._evicted = [], []
-        self.host.pinned = set()
+        self.host.pinned = {key for keys in self._held.values() for key in keys}
         preempted = False
         for r in list(self.running):
             if r not in self.running:
@@ -367,18 +373,22 @@ class Replay:
             if key not in self.host:
                 break
             host_hit += 1
+        start = len(device_hit)
+        hit_keys = req.keys[start : start + host_hit]
+        # vLLM asks the tier before it allocates: the lookup refreshes the
+        # hit under LRU and pins it, whether or not the request fits.
+        for key in hit_keys:
+            self.host.touch(key)
+        self.host.pinned.update(hit_keys)
         new = -(-r.length // bs) - len(device_hit)
         if self._room(device_hit) < new:
             if not self.running:
                 raise AssertionError("a request that fits found no room")
+            self._held[r.index] = hit_keys  # until its next lookup
             return False
+        self._held.pop(r.index, None)  # pinned until the step's end
         for block in device_hit:
             self.device.touch(block)
-        start = len(device_hit)
-        hit_keys = req.keys[start : start + host_hit]
-        self.host.pinned.update(hit_keys)  # pinned until the step's end
-        for key in hit_keys:
-            self.host.touch(key)
         r.blocks = list(device_hit)
         self._allocate(r.blocks, new)
         # The tier is told of every block of the request (its hits too).
