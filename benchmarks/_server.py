@@ -162,3 +162,25 @@ class ApiServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cpu_block_size_problem(block_size: int) -> str | None:
+    """Why vLLM's CPU attention backend cannot run ``--block-size`` (None if
+    it can): its kernels take the sizes it lists (vLLM 0.32: multiples of
+    32), and another size fails only at engine start, in every arm."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_kernel_block_sizes()
+    for size in sizes:
+        if block_size == size or (
+            isinstance(size, MultipleOf) and block_size % size.base == 0
+        ):
+            return None
+    said = [
+        f"multiples of {s.base}" if isinstance(s, MultipleOf) else str(s) for s in sizes
+    ]
+    return (
+        f"--block-size {block_size}: vLLM's CPU attention backend takes block sizes "
+        f"of {' or '.join(said)} only (it fails at engine start otherwise)"
+    )

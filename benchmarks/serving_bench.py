@@ -140,7 +140,13 @@ from _report import (  # noqa: E402
     versions,
     write_json,
 )
-from _server import ApiServer, http, metric_delta, parse_metrics  # noqa: E402, F401
+from _server import (  # noqa: E402, F401
+    ApiServer,
+    cpu_block_size_problem,
+    http,
+    metric_delta,
+    parse_metrics,
+)
 from _serving_figures import (  # noqa: E402
     KNOWN_CONFIGS,
     correctness,
@@ -625,6 +631,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.output_len = args.output_len or (32 if args.quick else 64)
     if args.repeats < 1 or args.num_prompts < 1:
         parser.error("--repeats and --num-prompts must be >= 1")
+    if not args.replot and (problem := cpu_block_size_problem(args.block_size)):
+        parser.error(problem)
     return args
 
 

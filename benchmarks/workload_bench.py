@@ -117,7 +117,7 @@ from _report import (  # noqa: E402
     versions,
     write_json,
 )
-from _server import http, parse_metrics  # noqa: E402
+from _server import cpu_block_size_problem, http, parse_metrics  # noqa: E402
 from _serving_figures import spread  # noqa: E402
 from serving_bench import (  # noqa: E402
     LOCK_PATH,
@@ -988,6 +988,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"most --conversations ({a.conversations}); the client gives each "
             "of its processes active/clients conversations"
         )
+    if problem := cpu_block_size_problem(a.block_size):
+        p.error(problem)
     if a.device_tokens % a.block_size:
         p.error(f"--device-tokens {a.device_tokens}: a multiple of --block-size")
     name = "workload_cpu_quick" if q else f"workload_cpu_{a.shape}"

@@ -116,6 +116,16 @@ def test_diagnostic_configs_and_their_ratios(bench, tmp_path, capsys):
     assert lv["paired_repeats"] == 0 and lv["ratios"]["req_per_s"]["median"] is None
 
 
+def test_a_block_size_cpu_attention_cannot_run_is_refused(bench, capsys):
+    """vLLM 0.32's CPU attention takes multiples of 32: 16 would fail at
+    engine start in every arm, so the bench refuses it before any server."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--block-size", "16"])
+    err = capsys.readouterr().err
+    assert "--block-size 16" in err and "multiples of 32" in err
+    assert bench.parse_args(["--block-size", "64"]).block_size == 64
+
+
 def test_levels_reuse_fraction(bench):
     levels = bench.LEVELS
     assert levels["unique"].num_prefixes(96) == 96
