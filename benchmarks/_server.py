@@ -129,6 +129,27 @@ class ApiServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) the server's processes have used so
+        far: ``total`` over the API server and every process below it, and
+        ``engine`` for vLLM's engine core and workers (process titles
+        ``VLLM::...``), where the connector runs. Their deltas over a run
+        are steadier than its throughput on a shared machine."""
+        import psutil
+
+        if self.proc is None:
+            return {"server": 0.0, "engine": 0.0}
+        root = psutil.Process(self.proc.pid)
+        total = engine = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                t = proc.cpu_times()
+                used = t.user + t.system
+                total += used
+                if proc is not root and "VLLM" in " ".join(proc.cmdline()[:1]):
+                    engine += used
+        return {"server": total, "engine": engine}
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")

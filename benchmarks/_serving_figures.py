@@ -27,7 +27,7 @@ CONFIGS = ("none", "tier")
 #: nothing) and ``device`` (a device cache big enough for the reuse) say
 #: which part of a tier/none difference is vLLM's connector plumbing or
 #: prefix caching itself, and which is the tier's.
-KNOWN_CONFIGS = ("none", "tier", "noop", "device")
+KNOWN_CONFIGS = ("none", "tier", "tier-inline", "noop", "device")
 TARGET_ZERO_REUSE_RATIO = 0.98  # throughput tier/none at 0% reuse
 TARGET_REUSE_RATIO = 1.0  # throughput tier/none at every reuse level > 0
 TARGET_P99_ITL_RATIO = 1.2  # p99 ITL tier/none, every level
@@ -39,6 +39,8 @@ FIGURES = (
     "itl_p99_ms",
     "ttft_p50_ms",
     "ttft_p99_ms",
+    "server_cpu_ms_per_req",
+    "engine_cpu_ms_per_req",
 )
 
 
@@ -115,7 +117,7 @@ def summarize_level(runs: list[dict[str, Any]], level: str) -> dict[str, Any]:
     for config, reps in by.items():
         if not reps:
             continue
-        s = {f: spread([reps[k][f] for k in sorted(reps)]) for f in FIGURES}
+        s = {f: spread([reps[k].get(f) for k in sorted(reps)]) for f in FIGURES}
         s["host_hit_tokens"] = spread(
             [reps[k].get("host_hit_tokens") for k in sorted(reps)]
         )
@@ -128,7 +130,7 @@ def summarize_level(runs: list[dict[str, Any]], level: str) -> dict[str, Any]:
         for f in FIGURES:
             vals = []
             for k in paired:
-                a, b = by["none"][k][f], by[config][k][f]
+                a, b = by["none"][k].get(f), by[config][k].get(f)
                 if a and b is not None:
                     vals.append(b / a)
             ratios[f] = spread(vals)
@@ -235,6 +237,7 @@ TABLE_COLS = (
     ("itl_p99_ms", "ITL p99 ms", 1),
     ("ttft_p50_ms", "TTFT p50 ms", 0),
     ("ttft_p99_ms", "TTFT p99 ms", 0),
+    ("engine_cpu_ms_per_req", "engine CPU ms/req", 1),
 )
 
 

@@ -269,8 +269,10 @@ def server_args(config: str, model: Path, args: argparse.Namespace) -> list[str]
         "--max-model-len", str(args.max_model_len),
         "--seed", "0",
     ]  # fmt: skip
-    if config == "tier":
+    if config in ("tier", "tier-inline"):
         cmd += ["--kv-host-cache-bytes", args.host_cache_bytes]
+    if config == "tier-inline":  # its copies in the engine step, no copy thread
+        cmd += ["--kv-host-cache-copy-thread", "off"]
     elif config == "noop":
         cmd += ["--kv-transfer-config", json.dumps(NOOP_TRANSFER_CONFIG)]
     return cmd
@@ -417,6 +419,20 @@ def summarize_client(result: dict[str, Any]) -> dict[str, Any]:
     s["total_input_tokens"] = result.get("total_input_tokens")
     s["total_output_tokens"] = result.get("total_output_tokens")
     return s
+
+
+def cpu_per_request(
+    before: dict[str, float], after: dict[str, float], summary: dict[str, Any]
+) -> dict[str, float | None]:
+    """The server's CPU milliseconds per completed request over a run: all
+    its processes, and vLLM's engine core and workers alone."""
+    done = summary.get("completed") or 0
+    return {
+        f"{part}_cpu_ms_per_req": 1000 * (after[part] - before[part]) / done
+        if done
+        else None
+        for part in ("server", "engine")
+    }
 
 
 def _text_digest(texts: list[str | None]) -> str:
@@ -579,8 +595,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="none,tier",
         help=f"comma-separated, interleaved per repeat, of {','.join(KNOWN_CONFIGS)} "
         "(default %(default)s); noop: a connector that moves nothing (vLLM's "
-        "connector plumbing alone); device: no connector and a device KV cache "
-        "of --host-cache-bytes (reuse hits the device: what prefix caching "
+        "connector plumbing alone); tier-inline: the tier without its copy "
+        "thread (copies in the engine step); device: no connector and a device "
+        "KV cache of --host-cache-bytes (reuse hits the device: what prefix caching "
         "itself does to the batch)",
     )
     parser.add_argument("--kv-cache-bytes", default="16M")
@@ -718,13 +735,16 @@ def main(argv: list[str] | None = None) -> int:
                             run["loadavg_before"] = os.getloadavg()
                             server.reset_prefix_cache()
                             before = server.settled_metrics()
+                            cpu_before = server.cpu_seconds()
                             result = run_client(
                                 cargv, workdir / f"client-{n}.log", RUN_TIMEOUT_S
                             )
                             after = server.settled_metrics()
+                            cpu_after = server.cpu_seconds()
                             run["loadavg_after"] = os.getloadavg()
                         delta = metric_delta(before, after)
                         s = summarize_client(result)
+                        s.update(cpu_per_request(cpu_before, cpu_after, s))
                         s["host_hit_tokens"] = delta.get(
                             "vllm:kvmem_host_hit_tokens_total"
                         )
