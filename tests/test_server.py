@@ -59,9 +59,15 @@ def test_host_tier_metrics_on_the_server(model_8l, tmp_path, servers):
     ]  # fmt: skip
     docs = documents(6)
     with _server(servers, args, tmp_path / "server.log") as server:
+        cpu0 = server.cpu_seconds()
         for _ in range(2):  # the second pass hits the host tier
             for d in docs:
                 _complete(server, str(model_8l), d)
+        # The benchmarks' CPU cost per request: the engine core is found
+        # among the server's processes, and is part of its total.
+        cpu1 = server.cpu_seconds()
+        engine = cpu1["engine"] - cpu0["engine"]
+        assert 0 < engine <= cpu1["server"] - cpu0["server"]
         deadline = time.monotonic() + 60
         while True:  # stats reach /metrics with the engine's next stats update
             text = requests.get(f"{server.url}/metrics", timeout=10).text

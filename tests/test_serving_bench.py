@@ -126,6 +126,14 @@ def test_a_block_size_cpu_attention_cannot_run_is_refused(bench, capsys):
     assert bench.parse_args(["--block-size", "64"]).block_size == 64
 
 
+def test_cpu_per_request(bench):
+    before, after = {"server": 1.0, "engine": 0.5}, {"server": 3.0, "engine": 1.5}
+    per = bench.cpu_per_request(before, after, {"completed": 4})
+    assert per == {"server_cpu_ms_per_req": 500.0, "engine_cpu_ms_per_req": 250.0}
+    none = bench.cpu_per_request(before, after, {"completed": 0})
+    assert set(none.values()) == {None}
+
+
 def test_levels_reuse_fraction(bench):
     levels = bench.LEVELS
     assert levels["unique"].num_prefixes(96) == 96
