@@ -133,6 +133,31 @@ def side_by_side(*calls: Callable[[], T]) -> list[T]:
         return [f.result() for f in futures]
 
 
+def start_ahead(*calls: Callable[[], object]) -> None:
+    """Run ``calls`` (``run_engine`` calls of parametrized cases, one engine
+    each) two at a time before the cases ask for them, so that each case
+    finds its run in ``run_engine``'s cache and checks it. A call that raises
+    is left to its case, which starts it again and fails there."""
+
+    def attempt(call: Callable[[], object]) -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    side_by_side(*(lambda call=call: attempt(call) for call in calls))
+
+
+def selected_cases(request: pytest.FixtureRequest, test: str) -> list[dict[str, Any]]:
+    """The parameters of each case of ``test`` (a test of the requesting
+    module) that this session runs (after ``-k`` and the like)."""
+    return [
+        item.callspec.params
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test
+        and item.module is request.module
+        and hasattr(item, "callspec")
+    ]
+
+
 def _start_engine(
     llm_kwargs: dict[str, Any],
     workload: dict[str, Any] | None,
