@@ -23,7 +23,9 @@ from tests.helpers import (
     host_tier_kwargs,
     host_tier_workload,
     run_engine,
+    selected_cases,
     side_by_side,
+    start_ahead,
 )
 from vllm_kvmem.demo_engine import PP_COMPILATION
 
@@ -42,24 +44,38 @@ def _check_identical_and_hits(off, on):
     assert "Host KV tier: " in on.log
 
 
+def _single_stage_run(model, host: bool, multiprocess: str = "0"):
+    """The single-stage run without or with the tier (``run_engine``'s)."""
+    return run_engine(
+        host_tier_kwargs(model, host, enforce_eager=True),
+        host_tier_workload(),
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess,
+    )
+
+
+@pytest.fixture(scope="module")
+def single_stage_started(request, model_8l) -> None:
+    """The baseline and the tier's engine of each single-stage case this
+    session runs, started ahead two at a time (independent starts, mostly
+    single-threaded imports on 2 cores)."""
+    cases = selected_cases(request, "test_single_stage_output_identical_with_host_hits")
+    # The multiprocess engine's start is the longest: first, beside the two
+    # in-process ones one after the other.
+    modes = sorted((c["multiprocess"] for c in cases), reverse=True)
+    tier = [lambda m=m: _single_stage_run(model_8l, True, m) for m in modes]
+    start_ahead(*tier[:1], lambda: _single_stage_run(model_8l, False), *tier[1:])
+
+
+@pytest.mark.usefixtures("single_stage_started")
 @pytest.mark.parametrize("multiprocess", ["0", "1"], ids=["inproc", "mp"])
 def test_single_stage_output_identical_with_host_hits(model_8l, multiprocess):
     """Against one baseline without the tier (in-process engine): the output
     of one engine does not depend on where its core runs. On vLLM 0.33 the
     tier's output is held to 0.32's by test_vllm033_engine (a pipeline of 2
     with the tier) and test_intree_engines (an evicted prefix served again)."""
-    work = host_tier_workload()
     off, on = side_by_side(
-        lambda: run_engine(
-            host_tier_kwargs(model_8l, False, enforce_eager=True),
-            work,
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        ),
-        lambda: run_engine(
-            host_tier_kwargs(model_8l, True, enforce_eager=True),
-            work,
-            VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess,
-        ),
+        lambda: _single_stage_run(model_8l, False),
+        lambda: _single_stage_run(model_8l, True, multiprocess),
     )
     _check_identical_and_hits(off, on)
 
