@@ -14,10 +14,12 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -88,6 +90,9 @@ def run_probe(
 #: (greedy, fixed model files), so tests that need the same engine with the
 #: same workload share one start (each PP=2 start costs about a minute here).
 _RUNS: dict[str, EngineRun] = {}
+#: One lock per run key: two threads asking for the same run (``side_by_side``)
+#: share one start.
+_RUN_LOCKS: dict[str, threading.Lock] = {}
 
 
 def run_engine(
@@ -107,9 +112,50 @@ def run_engine(
     """
     python = python or sys.executable
     key = json.dumps([llm_kwargs, workload or {}, python, env], sort_keys=True)
-    if key not in _RUNS:
-        _RUNS[key] = _start_engine(llm_kwargs, workload, python, **env)
+    with _RUN_LOCKS.setdefault(key, threading.Lock()):
+        if key not in _RUNS:
+            _RUNS[key] = _start_engine(llm_kwargs, workload, python, **env)
     return _RUNS[key]
+
+
+T = TypeVar("T")
+
+
+def side_by_side(*calls: Callable[[], T]) -> list[T]:
+    """The results of ``calls`` (independent engine starts or probes, each in
+    its own processes), in order, two at a time: their startup is mostly
+    single-threaded imports (and an engine's compilation), so on a 2-core
+    machine two started together finish well before two started one after
+    the other. A run the session already has (``run_engine``'s cache)
+    returns at once."""
+    with ThreadPoolExecutor(max_workers=max(1, min(2, len(calls)))) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
+
+
+def start_ahead(*calls: Callable[[], object]) -> None:
+    """Run ``calls`` (``run_engine`` calls of parametrized cases, one engine
+    each) two at a time before the cases ask for them, so that each case
+    finds its run in ``run_engine``'s cache and checks it. A call that raises
+    is left to its case, which starts it again and fails there."""
+
+    def attempt(call: Callable[[], object]) -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    side_by_side(*(lambda call=call: attempt(call) for call in calls))
+
+
+def selected_cases(request: pytest.FixtureRequest, test: str) -> list[dict[str, Any]]:
+    """The parameters of each case of ``test`` (a test of the requesting
+    module) that this session runs (after ``-k`` and the like)."""
+    return [
+        item.callspec.params
+        for item in request.session.items
+        if getattr(item, "originalname", None) == test
+        and item.module is request.module
+        and hasattr(item, "callspec")
+    ]
 
 
 def _start_engine(

@@ -23,6 +23,9 @@ from tests.helpers import (
     host_tier_kwargs,
     host_tier_workload,
     run_engine,
+    selected_cases,
+    side_by_side,
+    start_ahead,
 )
 from vllm_kvmem.demo_engine import PP_COMPILATION
 
@@ -41,22 +44,38 @@ def _check_identical_and_hits(off, on):
     assert "Host KV tier: " in on.log
 
 
+def _single_stage_run(model, host: bool, multiprocess: str = "0"):
+    """The single-stage run without or with the tier (``run_engine``'s)."""
+    return run_engine(
+        host_tier_kwargs(model, host, enforce_eager=True),
+        host_tier_workload(),
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess,
+    )
+
+
+@pytest.fixture(scope="module")
+def single_stage_started(request, model_8l) -> None:
+    """The baseline and the tier's engine of each single-stage case this
+    session runs, started ahead two at a time (independent starts, mostly
+    single-threaded imports on 2 cores)."""
+    cases = selected_cases(request, "test_single_stage_output_identical_with_host_hits")
+    # The multiprocess engine's start is the longest: first, beside the two
+    # in-process ones one after the other.
+    modes = sorted((c["multiprocess"] for c in cases), reverse=True)
+    tier = [lambda m=m: _single_stage_run(model_8l, True, m) for m in modes]
+    start_ahead(*tier[:1], lambda: _single_stage_run(model_8l, False), *tier[1:])
+
+
+@pytest.mark.usefixtures("single_stage_started")
 @pytest.mark.parametrize("multiprocess", ["0", "1"], ids=["inproc", "mp"])
 def test_single_stage_output_identical_with_host_hits(model_8l, multiprocess):
     """Against one baseline without the tier (in-process engine): the output
     of one engine does not depend on where its core runs. On vLLM 0.33 the
     tier's output is held to 0.32's by test_vllm033_engine (a pipeline of 2
     with the tier) and test_intree_engines (an evicted prefix served again)."""
-    work = host_tier_workload()
-    off = run_engine(
-        host_tier_kwargs(model_8l, False, enforce_eager=True),
-        work,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-    )
-    on = run_engine(
-        host_tier_kwargs(model_8l, True, enforce_eager=True),
-        work,
-        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocess,
+    off, on = side_by_side(
+        lambda: _single_stage_run(model_8l, False),
+        lambda: _single_stage_run(model_8l, True, multiprocess),
     )
     _check_identical_and_hits(off, on)
 
@@ -65,8 +84,10 @@ def test_pipeline_of_two_output_identical_with_host_hits(model_8l):
     kw = dict(pipeline_parallel_size=2, compilation_config=PP_COMPILATION)
     env = dict(VLLM_PP_LAYER_PARTITION="5,3")
     work = host_tier_workload(8)
-    off = run_engine(host_tier_kwargs(model_8l, False, **kw), work, **env)
-    on = run_engine(host_tier_kwargs(model_8l, True, **kw), work, **env)
+    off, on = side_by_side(
+        lambda: run_engine(host_tier_kwargs(model_8l, False, **kw), work, **env),
+        lambda: run_engine(host_tier_kwargs(model_8l, True, **kw), work, **env),
+    )
     _check_identical_and_hits(off, on)
     assert on.log.count("Host KV tier on this rank") == 2  # both stages hold a slice
 
@@ -150,8 +171,10 @@ def test_hybrid_model_keeps_its_kv_cache_groups_with_host_hits(
     """The tier serves the sliding-window groups too: host hits on the second
     pass (a hit restores each group's blocks the prefix needs) and identical
     greedy output, with vLLM's hybrid KV cache manager and its capacity."""
-    off = _hybrid_run(model_hybrid, False, vllm_python)
-    on = _hybrid_run(model_hybrid, True, vllm_python)
+    off, on = side_by_side(
+        lambda: _hybrid_run(model_hybrid, False, vllm_python),
+        lambda: _hybrid_run(model_hybrid, True, vllm_python),
+    )
     _check_same_kv_cache(off, on, groups=4)
     # The same device holds twice as many 2048-token requests as it would
     # with the manager off (16 MiB: 2.06x against 1.0x).
@@ -223,13 +246,17 @@ def test_sliding_window_model_is_served(tmp_path):
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     # 16 blocks: fewer than the 12 documents' last windows (3 blocks each),
     # which are all a hit on a sliding window needs.
-    off, on = (
-        run_engine(
-            dict(host_tier_kwargs(model, host, **kw), kv_cache_memory_bytes=8 << 20),
-            work,
-            **env,
+    off, on = side_by_side(
+        *(
+            lambda host=host: run_engine(
+                dict(
+                    host_tier_kwargs(model, host, **kw), kv_cache_memory_bytes=8 << 20
+                ),
+                work,
+                **env,
+            )
+            for host in (False, True)
         )
-        for host in (False, True)
     )
     _check_same_kv_cache(off, on, groups=1)
     _check_identical_and_hits(off, on)

@@ -16,10 +16,12 @@ anchor is missing.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,70 +167,103 @@ def test_edited_vllm_files_stay_formatted(release, tmp_path):
     assert after.returncode == 0, after.stdout[-3000:]
 
 
+def _patch_alone(release: dict, name: str, spec, tmp_path: Path, env: dict) -> dict:
+    """Patch ``name`` written alone against the release and applied to a
+    fresh copy of its vLLM and tests: the copy, its unit tests (pytest
+    arguments), those that skip at import, and the command that imports the
+    modules it edits, then runs the tests."""
+    _v, files = intree.write_series(
+        tmp_path / f"{name}-series", release["src"], only=[name]
+    )
+    copy = intree.copy_tree(release["src"], tmp_path / name)
+    intree.copy_tests(release["tests"], copy)
+    intree.apply_series(copy, files)
+    changes = spec.for_series(release["series"])
+    modules = sorted(
+        {
+            c.path.removesuffix(".py").replace("/", ".")
+            for c in changes
+            if c.path.startswith("vllm/")
+        }
+    )
+    node_ids = intree.unit_tests(changes)
+    tests = runnable_unit_tests(node_ids, copy)
+    # One process a patch: the imports first (a failure exits 1 before
+    # pytest starts, with its traceback), then the tests.
+    pytest_args = [
+        *("-v", "-p", "no:cacheprovider", "--noconftest", "--rootdir"),
+        str(copy),
+        *tests,
+    ]
+    code = "import importlib, sys, vllm\n" + "".join(
+        f"importlib.import_module({m!r})\n" for m in modules
+    )
+    code += f"assert vllm.__file__.startswith({str(copy)!r}), vllm.__file__\n"
+    code += f"import pytest\nsys.exit(pytest.main({pytest_args!r}))\n"
+    return dict(
+        tests=tests,
+        # vLLM's CUDA-only files skip at import here (passed whole).
+        module_skipped=set(tests) - set(node_ids),
+        cmd=[release["python"], "-c", code],
+        cwd=copy,
+        env=env | {"PYTHONPATH": f"{copy}:{env['PYTHONPATH']}"},
+    )
+
+
+def _run_patch(job: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        job["cmd"],
+        cwd=job["cwd"],
+        env=job["env"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def test_each_patch_applies_imports_and_passes_its_tests_alone(release, tmp_path):
     """Each patch written alone against the release (as its own PR) and
     applied to a fresh copy of the release's vLLM and its tests; with no
     plugin, the modules it edits import and its unit tests pass: the files it
     adds, and only the tests it appends to vLLM's test files. vLLM's
     tests/conftest.py (model runners, HF downloads; it needs vLLM's test
-    requirements) is not loaded: the unit tests use pytest's fixtures only."""
+    requirements) is not loaded: the unit tests use pytest's fixtures only.
+
+    The patches' processes are independent and mostly ``import vllm``, which
+    is single-threaded: they run side by side on up to two cores (each
+    started once its copy is ready), and are checked in the series' order."""
     shim = no_plugin_shim(tmp_path / "shim")
-    hub = vllm_unit_test_env(tmp_path / "hub")
-    for name, spec in zip(intree.ORDER, intree.patches()):
-        _v, files = intree.write_series(
-            tmp_path / f"{name}-series", release["src"], only=[name]
-        )
-        copy = intree.copy_tree(release["src"], tmp_path / name)
-        intree.copy_tests(release["tests"], copy)
-        intree.apply_series(copy, files)
-        changes = spec.for_series(release["series"])
-        modules = sorted(
-            {
-                c.path.removesuffix(".py").replace("/", ".")
-                for c in changes
-                if c.path.startswith("vllm/")
-            }
-        )
-        node_ids = intree.unit_tests(changes)
-        tests = runnable_unit_tests(node_ids, copy)
-        # vLLM's CUDA-only files skip at import here (passed whole).
-        module_skipped = set(tests) - set(node_ids)
-        # One process a patch: the imports first (a failure exits 1 before
-        # pytest starts, with its traceback), then the tests.
-        pytest_args = [
-            *("-v", "-p", "no:cacheprovider", "--noconftest", "--rootdir"),
-            str(copy),
-            *tests,
-        ]
-        code = "import importlib, sys, vllm\n" + "".join(
-            f"importlib.import_module({m!r})\n" for m in modules
-        )
-        code += f"assert vllm.__file__.startswith({str(copy)!r}), vllm.__file__\n"
-        code += f"import pytest\nsys.exit(pytest.main({pytest_args!r}))\n"
-        done = subprocess.run(
-            [release["python"], "-c", code],
-            cwd=copy,
-            env=engine_env(PYTHONPATH=f"{copy}:{shim}", VLLM_PLUGINS="", **hub),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        output = done.stdout + done.stderr
-        assert done.returncode == 0, (name, output[-4000:])
-        assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
-        # The PR text's "`pytest <file> [-k ...]`: N passed" is what pytest
-        # says here for the tests the patch adds to that file (where nothing
-        # skipped: an AMX host runs fewer layout cases).
-        claimed = dict(re.findall(CLAIM, spec.message))
-        for file in {t.split("::")[0] for t in tests}:
-            results = re.findall(rf"^{re.escape(file)}::\S+ (\w+)", done.stdout, re.M)
-            if file in module_skipped:
-                assert re.search(r"\d+ skipped", done.stdout), done.stdout[-2000:]
-                continue
-            assert results, (name, file, done.stdout[-2000:])
-            if file in claimed and "SKIPPED" not in results:
-                passed = results.count("PASSED")
-                assert passed == int(claimed[file]), (name, file, passed)
+    env = engine_env(PYTHONPATH=str(shim), VLLM_PLUGINS="")
+    env |= vllm_unit_test_env(tmp_path / "hub")
+    pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1))
+    try:
+        runs = []
+        for name, spec in zip(intree.ORDER, intree.patches()):
+            job = _patch_alone(release, name, spec, tmp_path, env)
+            runs.append((name, spec, job, pool.submit(_run_patch, job)))
+        for name, spec, job, future in runs:
+            done = future.result()
+            output = done.stdout + done.stderr
+            assert done.returncode == 0, (name, output[-4000:])
+            assert re.search(r"\d+ passed", done.stdout), done.stdout[-2000:]
+            # The PR text's "`pytest <file> [-k ...]`: N passed" is what
+            # pytest says here for the tests the patch adds to that file
+            # (where nothing skipped: an AMX host runs fewer layout cases).
+            claimed = dict(re.findall(CLAIM, spec.message))
+            for file in {t.split("::")[0] for t in job["tests"]}:
+                results = re.findall(
+                    rf"^{re.escape(file)}::\S+ (\w+)", done.stdout, re.M
+                )
+                if file in job["module_skipped"]:
+                    assert re.search(r"\d+ skipped", done.stdout), done.stdout[-2000:]
+                    continue
+                assert results, (name, file, done.stdout[-2000:])
+                if file in claimed and "SKIPPED" not in results:
+                    passed = results.count("PASSED")
+                    assert passed == int(claimed[file]), (name, file, passed)
+    finally:
+        # A failed check stops the patches not yet started.
+        pool.shutdown(cancel_futures=True)
 
 
 def test_vllms_tests_come_from_the_releases_sdist():

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers import run_probe, site_033
+from tests.helpers import run_probe, side_by_side, site_033
 from tests.planning_probe import CORE_CALLS_033
 
 BIG = 1 << 40
@@ -83,10 +83,12 @@ def _plan(python: str | None, model: Path, cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def plans(model_8l, vllm033_python) -> dict[str, dict]:
-    return {
-        "0.32": _plan(None, model_8l, CASES),
-        "0.33": _plan(vllm033_python, model_8l, CASES),
-    }
+    """Both releases' plans: two independent probe processes, side by side."""
+    on_032, on_033 = side_by_side(
+        lambda: _plan(None, model_8l, CASES),
+        lambda: _plan(vllm033_python, model_8l, CASES),
+    )
+    return {"0.32": on_032, "0.33": on_033}
 
 
 @pytest.mark.parametrize("case", CASES)

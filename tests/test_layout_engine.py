@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import run_engine
+from tests.helpers import run_engine, selected_cases, side_by_side, start_ahead
 from vllm_kvmem.demo import WORDS
 
 pytestmark = pytest.mark.engine
@@ -59,13 +59,37 @@ def _run(model, block_size, connector=None, multiprocess="0"):
     )
 
 
+@pytest.fixture(scope="module")
+def started(request, model_8l) -> None:
+    """The baseline, the BLHNC engine and the engines of the requirement
+    cases this session runs, started ahead two at a time (each engine a start
+    of its own, on 2 cores mostly single-threaded imports)."""
+    required = [
+        c["required"]
+        for c in selected_cases(
+            request, "test_unmet_or_no_requirement_keeps_vllms_layout"
+        )
+    ]
+    start_ahead(
+        lambda: _run(model_8l, 128),
+        lambda: _run(model_8l, 128, REQUIRES_BLHNC, multiprocess="1"),
+        *(
+            lambda r=r: _run(model_8l, 128, requiring(r), multiprocess="1")
+            for r in required
+        ),
+    )
+
+
+@pytest.mark.usefixtures("started")
 def test_blhnc_is_token_identical_to_lbhnc(model_8l, block_size=128):
     """The engine with the connector runs its core in its own process (the
     layout is resolved there and adopted by the worker); the baseline, with no
     connector, in-process and on vLLM's layout. Other shapes and dtypes are
     the in-tree CPU patch's kernel tests (test_intree)."""
-    base = _run(model_8l, block_size)
-    contiguous = _run(model_8l, block_size, REQUIRES_BLHNC, multiprocess="1")
+    base, contiguous = side_by_side(
+        lambda: _run(model_8l, block_size),
+        lambda: _run(model_8l, block_size, REQUIRES_BLHNC, multiprocess="1"),
+    )
     assert base.returncode == 0, base.log[-4000:]
     assert contiguous.returncode == 0, contiguous.log[-4000:]
     (b,), (c,) = base.ranks, contiguous.ranks
@@ -100,6 +124,7 @@ def test_connector_requiring_blhnc_gets_the_contiguous_layout(model_8l):
     )
 
 
+@pytest.mark.usefixtures("started")
 @pytest.mark.parametrize("required", ["BLNHC", None])
 def test_unmet_or_no_requirement_keeps_vllms_layout(model_8l, required):
     """A connector requiring BLNHC, which CPU_ATTN cannot serve (its kernel
@@ -107,8 +132,10 @@ def test_unmet_or_no_requirement_keeps_vllms_layout(model_8l, required):
     our line says why. A connector requiring nothing: vLLM's LBHNC, and
     nothing said. Either way the output is the baseline's (no connector,
     block size 128 above) and the views are per layer."""
-    base = _run(model_8l, 128)
-    run = _run(model_8l, 128, requiring(required), multiprocess="1")
+    base, run = side_by_side(
+        lambda: _run(model_8l, 128),
+        lambda: _run(model_8l, 128, requiring(required), multiprocess="1"),
+    )
     assert run.returncode == 0, run.log[-4000:]
     (r,) = run.ranks
     assert r["layout"] == "LBHNC"

@@ -14,9 +14,11 @@ as published.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.helpers import assert_agrees, run_engine
+from tests.helpers import assert_agrees, run_engine, selected_cases, start_ahead
 from vllm_kvmem.core.units import MiB
 from vllm_kvmem.demo_engine import PP_COMPILATION
 from vllm_kvmem.planner import load_model, plan_capacity
@@ -42,9 +44,8 @@ SINGLE = [
 ]  # fmt: skip
 
 
-def _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch, **engine):
-    """One in-process engine and the planner, same model and flags; the
-    engine's run once the two agree."""
+def _single_run(model, nbytes, ntokens, max_len, batch, **engine):
+    """One in-process engine with these flags (``run_engine``'s cached run)."""
     kwargs = dict(model=str(model), max_model_len=max_len, enforce_eager=True)
     kwargs.update(engine)
     if batch:
@@ -53,7 +54,13 @@ def _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch, **engine):
         kwargs["kv_cache_memory_bytes"] = nbytes
     else:
         kwargs["kv_cache_tokens"] = ntokens
-    run = run_engine(kwargs, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return run_engine(kwargs, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+
+
+def _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch, **engine):
+    """One in-process engine and the planner, same model and flags; the
+    engine's run once the two agree."""
+    run = _single_run(model, nbytes, ntokens, max_len, batch, **engine)
     cap = plan_capacity(
         model,
         budget_bytes=nbytes,
@@ -66,9 +73,30 @@ def _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch, **engine):
     return run, cap
 
 
+@pytest.fixture(scope="module")
+def single_models(request, tmp_path_factory) -> dict[str, Path]:
+    """The tiny models of the single-stage cases this session runs, by name,
+    their engines started ahead two at a time (one start each, on 2 cores
+    mostly single-threaded imports)."""
+    root = tmp_path_factory.mktemp("single")
+    cases = selected_cases(request, "test_single_stage_shapes")
+    models = {c["name"]: build_tiny_model(root / c["name"], **c["opts"]) for c in cases}
+    start_ahead(
+        *(
+            lambda c=c: _single_run(
+                models[c["name"]], c["nbytes"], c["ntokens"], c["max_len"], c["batch"]
+            )
+            for c in cases
+        )
+    )
+    return models
+
+
 @pytest.mark.parametrize("name,opts,nbytes,ntokens,max_len,batch", SINGLE)
-def test_single_stage_shapes(tmp_path, name, opts, nbytes, ntokens, max_len, batch):
-    model = build_tiny_model(tmp_path / name, **opts)
+def test_single_stage_shapes(
+    single_models, name, opts, nbytes, ntokens, max_len, batch
+):
+    model = single_models[name]
     _, cap = _engine_agrees_with_plan(model, nbytes, ntokens, max_len, batch)
     if "sliding" in name:
         assert cap.blocks_per_request < max_len // 128 + 1
@@ -84,13 +112,38 @@ REAL_SHAPES = [
 ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def shape_models(request, tmp_path_factory) -> dict[str, Path]:
+    """The shape models of the real-shape cases this session runs, by shape,
+    their engines started ahead two at a time."""
+    root = tmp_path_factory.mktemp("shapes")
+    cases = selected_cases(request, "test_real_shapes_with_dummy_weights")
+    models = {
+        c["shape"]: build_shape_model(
+            c["shape"], root / c["shape"], num_layers=c["layers"]
+        )
+        for c in cases
+    }
+    start_ahead(
+        *(
+            lambda c=c: _single_run(
+                models[c["shape"]],
+                *(c["nbytes"], c["ntokens"], c["max_len"], c["batch"]),
+                load_format="dummy",
+            )
+            for c in cases
+        )
+    )
+    return models
+
+
 @pytest.mark.parametrize("shape,layers,nbytes,ntokens,max_len,batch", REAL_SHAPES)
 def test_real_shapes_with_dummy_weights(
-    tmp_path, shape, layers, nbytes, ntokens, max_len, batch
+    shape_models, shape, layers, nbytes, ntokens, max_len, batch
 ):
     """A published architecture's KV geometry, served with random weights
     (one in-process engine start each, 20-40 s on 2 cores)."""
-    model = build_shape_model(shape, tmp_path / shape, num_layers=layers)
+    model = shape_models[shape]
     run, _ = _engine_agrees_with_plan(
         model, nbytes, ntokens, max_len, batch, load_format="dummy"
     )
@@ -113,10 +166,10 @@ PIPELINE = [
 ]
 
 
-@pytest.mark.parametrize("partition,nbytes,ntokens,prop", PIPELINE)
-def test_pipeline_of_two(model_8l, partition, nbytes, ntokens, prop):
+def _pipeline_run(model, partition, nbytes, ntokens, prop):
+    """A pipeline of two with these flags (``run_engine``'s cached run)."""
     kwargs = dict(
-        model=str(model_8l),
+        model=str(model),
         pipeline_parallel_size=2,
         max_model_len=512,
         compilation_config=PP_COMPILATION,
@@ -126,7 +179,26 @@ def test_pipeline_of_two(model_8l, partition, nbytes, ntokens, prop):
     else:
         kwargs["kv_cache_tokens"] = ntokens
     kwargs["enable_pp_prop_kv_cache"] = prop
-    run = run_engine(kwargs, VLLM_PP_LAYER_PARTITION=partition)
+    return run_engine(kwargs, VLLM_PP_LAYER_PARTITION=partition)
+
+
+@pytest.fixture(scope="module")
+def pipelines_started(request, model_8l) -> None:
+    """The pipeline cases this session runs, started ahead two at a time."""
+    cases = selected_cases(request, "test_pipeline_of_two")
+    start_ahead(
+        *(
+            lambda c=c: _pipeline_run(
+                model_8l, c["partition"], c["nbytes"], c["ntokens"], c["prop"]
+            )
+            for c in cases
+        )
+    )
+
+
+@pytest.mark.parametrize("partition,nbytes,ntokens,prop", PIPELINE)
+def test_pipeline_of_two(pipelines_started, model_8l, partition, nbytes, ntokens, prop):
+    run = _pipeline_run(model_8l, partition, nbytes, ntokens, prop)
     cap = plan_capacity(
         model_8l,
         pp=2,

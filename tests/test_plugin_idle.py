@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import both_vllms, run_engine, run_probe
+from tests.helpers import both_vllms, run_engine, run_probe, side_by_side
 
 pytestmark = pytest.mark.engine
 
@@ -88,8 +88,10 @@ def test_engine_with_no_kvmem_flag_is_vllms_own(model_8l, vllm_python):
     )
     workload = {"prompts": ["The KV cache", "A pipeline of two"], "max_tokens": 8}
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    without = run_engine(kwargs, workload, vllm_python, **env, **DISABLED)
-    with_plugin = run_engine(kwargs, workload, vllm_python, **env)
+    without, with_plugin = side_by_side(
+        lambda: run_engine(kwargs, workload, vllm_python, **env, **DISABLED),
+        lambda: run_engine(kwargs, workload, vllm_python, **env),
+    )
     assert without.returncode == 0, without.log[-4000:]
     assert with_plugin.returncode == 0, with_plugin.log[-4000:]
     # Really disabled, and really on: the plugin's capacity table (its only
@@ -115,10 +117,10 @@ def test_explicit_blhnc_on_cpu_is_refused_as_by_vllm(model_8l):
         model=str(model_8l), kv_cache_memory_bytes=32 << 20, max_model_len=512
     )
     env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_KV_CACHE_LAYOUT="BLHNC")
-    runs = [
-        run_engine(kwargs, None, **env, **DISABLED),
-        run_engine(kwargs, None, **env),
-    ]
+    runs = side_by_side(
+        lambda: run_engine(kwargs, None, **env, **DISABLED),
+        lambda: run_engine(kwargs, None, **env),
+    )
     expected = "VLLM_KV_CACHE_LAYOUT=BLHNC does not satisfy every supported set"
     for run in runs:
         assert run.returncode != 0

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.helpers import assert_agrees, pp_kwargs, run_engine
+from tests.helpers import assert_agrees, pp_kwargs, run_engine, side_by_side
 
 pytestmark = pytest.mark.engine
 
@@ -101,11 +101,13 @@ def test_even_split_via_additional_config_other_shape(model_6l):
 
 def test_without_flag_per_rank_results_equal_unpatched_vllm(model_8l):
     kwargs = pp_kwargs(model_8l, 48 * MiB)
-    patched = run_engine(kwargs, VLLM_PP_LAYER_PARTITION="5,3")
-    unpatched = run_engine(
-        kwargs,
-        VLLM_PP_LAYER_PARTITION="5,3",
-        VLLM_PLUGINS="lora_filesystem_resolver",  # everything but vllm-kvmem
+    patched, unpatched = side_by_side(
+        lambda: run_engine(kwargs, VLLM_PP_LAYER_PARTITION="5,3"),
+        lambda: run_engine(
+            kwargs,
+            VLLM_PP_LAYER_PARTITION="5,3",
+            VLLM_PLUGINS="lora_filesystem_resolver",  # everything but vllm-kvmem
+        ),
     )
     assert patched.returncode == 0, patched.log[-4000:]
     assert unpatched.returncode == 0, unpatched.log[-4000:]

@@ -17,6 +17,7 @@ modules run their own tests on both releases through ``both_vllms``
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,16 +43,26 @@ ENGINES = {"pp": "test_pp_prop_budget_layout_and_host_tier"}
 
 @pytest.fixture(scope="module", params=list(ENGINES))
 def runs(request, vllm033_python, model_8l, tmp_path_factory) -> dict[str, Run]:
-    """One engine test with the plugin, on vLLM 0.32 and on 0.33."""
+    """One engine test with the plugin, on vLLM 0.32 and on 0.33: the two
+    runs are independent processes, started side by side (each engine's
+    startup is mostly single-threaded imports and compilation)."""
     test = ENGINES[request.param]
     env = {k: v for k, v in plugin_engine_env().items() if k != "VLLM_PLUGINS"}
-    out = {}
-    for series, python in (("0.32", None), ("0.33", vllm033_python)):
-        reports = tmp_path_factory.mktemp(f"kv_mem_engine_{series}")
-        out[series] = run_engine_test(
-            ENGINE_FILE, test, env, ROOT, model_8l, reports, python=python
-        )
-    return out
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            series: pool.submit(
+                run_engine_test,
+                ENGINE_FILE,
+                test,
+                env,
+                ROOT,
+                model_8l,
+                tmp_path_factory.mktemp(f"kv_mem_engine_{series}"),
+                python=python,
+            )
+            for series, python in (("0.32", None), ("0.33", vllm033_python))
+        }
+        return {series: f.result() for series, f in futures.items()}
 
 
 def _in(path: str, root: Path) -> bool:
