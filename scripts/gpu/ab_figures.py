@@ -120,14 +120,14 @@ def summarize_runs(
             if not reps:
                 continue
             s: dict[str, Any] = {"repeats": len(reps)}
-            for f in FIGURES:
-                s[f] = spread([by[(arm, k)]["summary"][f] for k in reps])
+            for f in FIGURES:  # a figure a run did not record is None
+                s[f] = spread([by[(arm, k)]["summary"].get(f) for k in reps])
                 ratios = [
                     by[(arm, k)]["summary"][f] / by[("none", k)]["summary"][f]
                     for k in reps
                     if ("none", k) in by
-                    and by[("none", k)]["summary"][f]
-                    and by[(arm, k)]["summary"][f] is not None
+                    and by[("none", k)]["summary"].get(f)
+                    and by[(arm, k)]["summary"].get(f) is not None
                 ]
                 s[f + "_over_none"] = spread(ratios)
             s["host_hit_rate"] = spread(
