@@ -131,7 +131,7 @@ class ApiServer:
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) the server's processes have used so
-        far: ``total`` over the API server and every process below it, and
+        far: ``server`` over the API server and every process below it, and
         ``engine`` for vLLM's engine core and workers (process titles
         ``VLLM::...``), where the connector runs. Their deltas over a run
         are steadier than its throughput on a shared machine."""
