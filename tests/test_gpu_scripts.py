@@ -1480,6 +1480,116 @@ def test_late_spill_cpu_rehearsal(model_8l, tmp_path):
         assert got["late_spills_zeroed_same_step"] == 0, arm  # V1, one group
 
 
+@pytest.fixture(scope="module")
+def events():
+    yield from import_script(GPU / "events_disk.py")
+
+
+@pytest.fixture(scope="module")
+def kv_check():
+    yield from import_script(ROOT / "benchmarks" / "kv_events_check.py")
+
+
+def test_events_disk_dry_run_plan(tmp_path, kv_check):
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "events_disk.py"), "--dry-run", "--out",
+         str(tmp_path), "--arms", "tier_disk,control", "--requests", "300"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "events_disk_plan.json").read_text())
+    assert plan["imported_torch_or_vllm"] == []
+    assert list(plan["arms"]) == ["tier_disk", "control"]
+    assert plan["env"] == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    # Each arm's command line as the check parses it.
+    disk = kv_check.parse_args(plan["arms"]["tier_disk"]["argv"][1:])
+    assert disk.requests == 300 and disk.host_blocks == 32
+    assert disk.disk_dir is not None and not disk.no_host_tier
+    control = kv_check.parse_args(plan["arms"]["control"]["argv"][1:])
+    assert control.no_host_tier and control.disk_dir is None
+    # One file back from the machine: the checks' JSONs stay in --work.
+    assert all(
+        Path(a["argv"][a["argv"].index("--out") + 1]).parent.parent.name
+        == "events_disk"
+        for a in plan["arms"].values()
+    )
+    assert plan["estimate_s"] == 2 * plan["arms"]["control"]["estimate_s"]
+    assert plan["estimate_fits_max_wall"] and plan["output"].startswith(
+        "$OUT/events_disk_<gpu>.json"
+    )
+
+
+def test_events_disk_arguments(events):
+    with pytest.raises(SystemExit):
+        events.parse_args(["--arms", "tier,control"])  # no such arm
+    with pytest.raises(SystemExit):
+        events.parse_args(["--requests", "0"])
+    assert events.parse_args([]).arm_list == ["tier_disk"]
+
+
+def test_events_disk_figures_from_a_recorded_check(events):
+    """The pass rule on the CPU run of 2026-11-28 (400 requests, disk tier
+    behind a 32-block host tier), then on the same run with what a failure
+    looks like."""
+    check = json.loads(
+        (ROOT / "benchmarks/results/kv_events_check_disk_cpu.json").read_text()
+    )
+    got = events.arm_figures("tier_disk", check)
+    assert got["passed"] and got["platform"] == "CPU"
+    assert got["mismatches"] == 0 and got["disk_hits"] > 0
+    assert got["predicted_host_hits"] > 0 and got["predicted_storage_hits"] > 0
+    bad = json.loads(json.dumps(check))
+    bad["summary"]["mismatches"] = 3
+    bad["disk_metrics"]["vllm:kvmem_host_disk_hits_total"] = 0.0
+    got = events.arm_figures("tier_disk", bad)
+    assert not got["passed"] and got["why"] == "3 mismatches; no disk hit"
+    # The control has no disk tier: no disk hit is expected of it.
+    control = json.loads(json.dumps(check))
+    control["disk_metrics"] = None
+    control["summary"]["predicted_host_hits"] = 0
+    control["summary"]["predicted_storage_hits"] = 0
+    assert events.arm_figures("control", control)["passed"]
+    assert events.arm_figures("control", None) == {"passed": False, "why": "no JSON"}
+
+
+def test_stage2_dry_run_plans_the_events_check(tmp_path):
+    proc = _run(
+        "stage2.sh", tmp_path, "--dry-run", "--items", "j",
+        "--events-args", "--arms tier_disk,control --max-wall-s 200",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    plan = json.loads((tmp_path / "stage2_plan.json").read_text())
+    j = plan["j_plan"]
+    assert j["argv"] == ["--arms", "tier_disk,control", "--max-wall-s", "200"]
+    assert not j["estimate_fits_max_wall"]  # the control is skipped then
+    assert plan["estimate_s"]["j"] == j["estimate_s"]
+    assert "events_disk" in plan["items"]["j"]
+    # The check's own 2-layer model, beside stage 2's tiny model
+    model_cache = j["arms"]["tier_disk"]["argv"].index("--model-cache") + 1
+    assert j["arms"]["tier_disk"]["argv"][model_cache].endswith("events-model")
+
+
+@pytest.mark.engine
+def test_events_disk_cpu_rehearsal(model_8l, tmp_path):
+    """The GPU item on CPU: one server with the host and disk tiers, the
+    check's JSON inside the one file, labelled CPU from vLLM's platform."""
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "events_disk.py"), "--cpu", "--requests", "80",
+         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
+         "--model", str(model_8l)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["events_disk_cpu.json"]
+    report = json.loads((tmp_path / "out" / "events_disk_cpu.json").read_text())
+    assert report["platform"] == "CPU" and "not a GPU figure" in report["label"]
+    arm = report["arms"]["tier_disk"]
+    assert arm["exit"] == 0 and arm["figures"]["passed"]
+    assert arm["check"]["platform"] == "CPU"  # vLLM's own detection
+    assert arm["figures"]["mismatches"] == 0 and arm["figures"]["disk_hits"] > 0
+    assert arm["check"]["events"]["events"]["BlockStored/STORAGE"] > 0
+
+
 def test_no_machine_paths_in_the_project():
     """A development machine's folders belong to no file of the project
     (recorded results keep where they ran; they are data, not read here)."""

@@ -1,7 +1,7 @@
 """Stage 2 of issue 17: vLLM 0.32 with the plugin on the GPU machine.
 
 Items a and g ran on an NVIDIA H200 on 2026-11-26 (after their engines were
-given ``VLLM_USE_FLASHINFER_SAMPLER=0``); b-f, h and i have not run on a GPU.
+given ``VLLM_USE_FLASHINFER_SAMPLER=0``); b-f and h-j have not run on a GPU.
 It runs after ``install_pieces.py install`` put vLLM and its wheels in a
 target folder (``stage2.sh`` sets ``PYTHONPATH``). Every engine gets
 ``gpu_common.SERVER_ENV`` (vLLM 0.32's sampler imports flashinfer at start
@@ -55,6 +55,12 @@ i. issue 42's late-spill check: the plugin's tier and vLLM's lazy offload on
    prefixes, late spills V2 zeroed or copied on write first (a mixed-precision
    fp8 cache): ``scripts/gpu/late_spill.py`` in a child process
    (``--late-args``), figures in ``$OUT/late_spill_<gpu>.json``.
+j. issue 47's KV events and disk hits on CUDA: ``benchmarks/kv_events_check.py``
+   on an OpenAI server with the host tier and the disk tier behind it, every
+   request's cached tokens predicted from vLLM's ZMQ KV events (device, host
+   and storage), disk hits on ``/metrics``: ``scripts/gpu/events_disk.py`` in
+   a child process (``--events-args``), figures in
+   ``$OUT/events_disk_<gpu>.json``.
 
 The dry run's plan gives each item's device seconds from the costs measured
 on the H200 (``gpu_common.MEASURED_S``: an eager engine start 35 s).
@@ -85,7 +91,7 @@ import stage2_scripts  # noqa: E402
 from gpu_common import MEASURED_S, SERVER_ENV  # noqa: E402
 
 REPORT = "KVMEM_STAGE2 "
-ITEMS = "abcdefghi"
+ITEMS = "abcdefghij"
 #: Engines per item (d: up to four, one of them capturing CUDA graphs; f: two
 #: and Ray's own start) and the seconds of work beside the starts: the plan's
 #: estimate, from an eager engine start measured on the H200 (item a: two
@@ -189,6 +195,7 @@ class Runner:
         ab_args: str = "",
         real_args: str = "",
         late_args: str = "",
+        events_args: str = "",
     ) -> None:
         # Kept under the repository's ignored .gpu-work/, not in $OUT: $OUT is
         # emptied before every call and brings back 8 files at most, while
@@ -200,6 +207,7 @@ class Runner:
         self.ab_args = ab_args
         self.real_args = real_args
         self.late_args = late_args
+        self.events_args = events_args
         self.logs = work / "stage2_logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.results_path = work / "stage2_results.json"
@@ -596,11 +604,15 @@ def item_f(r: Runner) -> dict:
 
 
 def item_estimate_s(
-    item: str, ab_args: str = "", real_args: str = "", late_args: str = ""
+    item: str,
+    ab_args: str = "",
+    real_args: str = "",
+    late_args: str = "",
+    events_args: str = "",
 ) -> float:
     """Device seconds an item takes, from the costs measured on the H200."""
-    if item in "ghi":
-        args = {"g": ab_args, "h": real_args, "i": late_args}[item]
+    if item in "ghij":
+        args = {"g": ab_args, "h": real_args, "i": late_args, "j": events_args}[item]
         return stage2_scripts.estimate_s(item, args)
     return ITEM_ENGINES[item] * MEASURED_S["engine_start_eager"] + ITEM_EXTRA_S[item]
 
@@ -615,6 +627,7 @@ ITEM_FUNCS: dict[str, Callable[[Runner], dict]] = {
     "g": stage2_scripts.item_g,
     "h": stage2_scripts.item_h,
     "i": stage2_scripts.item_i,
+    "j": stage2_scripts.item_j,
 }
 
 
@@ -635,8 +648,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--items",
         default=ITEMS[:5],
-        help="which of a-i (default a-e; f needs Ray; g is issue 30's A/B, h "
-        "issue 36's real-size run, i issue 42's late-spill check)",
+        help="which of a-j (default a-e; f needs Ray; g is issue 30's A/B, h "
+        "issue 36's real-size run, i issue 42's late-spill check, j issue 47's "
+        "KV events and disk hits)",
     )
     p.add_argument(
         "--out", type=Path, default=Path(os.environ.get("OUT", "out/stage2"))
@@ -664,6 +678,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="item i: arguments for late_spill.py, e.g. '--max-wall-s 300'",
     )
+    p.add_argument(
+        "--events-args",
+        default="",
+        help="item j: arguments for events_disk.py, e.g. '--arms tier_disk,control'",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     args = p.parse_args(argv)
     if args.child:
@@ -684,15 +703,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_timeout_s": args.engine_timeout,
             "server_env": SERVER_ENV,
             "estimate_s": {
-                i: item_estimate_s(i, args.ab_args, args.real_args, args.late_args)
+                i: item_estimate_s(
+                    i, args.ab_args, args.real_args, args.late_args, args.events_args
+                )
                 for i in args.items
             },
             "estimate_from": "gpu_common.MEASURED_S (NVIDIA H200, 2026-11-26): "
             f"an eager engine start {MEASURED_S['engine_start_eager']:.0f} s; "
-            "items g, h and i: their scripts' own plans",
+            "items g-j: their scripts' own plans",
         }
         plan["estimate_total_s"] = sum(plan["estimate_s"].values())
-        scripts = (("g", args.ab_args), ("h", args.real_args), ("i", args.late_args))
+        scripts = (
+            ("g", args.ab_args),
+            ("h", args.real_args),
+            ("i", args.late_args),
+            ("j", args.events_args),
+        )
         for item, item_args in scripts:
             if item in args.items:
                 plan[f"{item}_plan"] = stage2_scripts.plan(item, item_args, args.work)
@@ -708,6 +734,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.ab_args,
         args.real_args,
         args.late_args,
+        args.events_args,
     )
     for item in args.items:
         print(f"=== item {item}", flush=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage 2 of issue 17 on the GPU machine: vLLM 0.32 with the plugin.
-# Items a and g ran on an NVIDIA H200 on 2026-11-26 (b-f, h and i have not run).
+# Items a and g ran on an NVIDIA H200 on 2026-11-26 (b-f and h-j have not run).
 #
 # Runs after every piece has arrived (scripts/gpu/README.md): installs the
 # wheels from the piece store (/tmp/kvmem-pieces, where every call that
@@ -9,8 +9,10 @@
 # to vLLM, checks requirements, probes the import, then runs items a-e of the
 # issue (scripts/gpu/stage2.py), f (Ray, issue 19), g (issue 30's A/B,
 # scripts/gpu/ab_offload.py), h (issue 36's real-size run,
-# scripts/gpu/real_size.py) and i (issue 42's late-spill check under Model
-# Runner V1 and V2, scripts/gpu/late_spill.py) when asked. Every engine and server here runs
+# scripts/gpu/real_size.py), i (issue 42's late-spill check under Model
+# Runner V1 and V2, scripts/gpu/late_spill.py) and j (issue 47's KV events
+# and disk hits on CUDA, scripts/gpu/events_disk.py) when asked. Every engine
+# and server here runs
 # with VLLM_USE_FLASHINFER_SAMPLER=0 (gpu_common.SERVER_ENV: vLLM 0.32's
 # sampler otherwise imports flashinfer, which is not carried, and every
 # engine failed at start on the H200). Files in $OUT (8 at most; GPU = h100,
@@ -19,17 +21,19 @@
 #   stage2.log            all output
 #   install_check.json    install_pieces.py check: unmet requirements
 #   stage2_probe.txt      versions, CUDA libraries actually loaded
-#   stage2_results.json   items a-f, how g-i ended (accumulates over calls)
+#   stage2_results.json   items a-f, how g-j ended (accumulates over calls)
 #   stage2_logs.tar.gz    each engine's output, g's and h's server and client logs
 #   ab_offload_GPU.json   item g's figures, GPU-labelled
 #   real_size_GPU.json    item h's figures, GPU-labelled
 #   late_spill_GPU.json   item i's figures, GPU-labelled
+#   events_disk_GPU.json  item j's figures, GPU-labelled
 #
 # Usage (repository root):
 #   bash scripts/gpu/stage2.sh [--vllm 0.32.0|0.33.0] [--plan torch211|core] [--items abcde]
 #   bash scripts/gpu/stage2.sh --items g [--ab-args '--arms none,tier,simple_lazy,offloading']
 #   bash scripts/gpu/stage2.sh --items h [--real-args '--max-wall-s 480']
 #   bash scripts/gpu/stage2.sh --items i [--late-args '--max-wall-s 300']
+#   bash scripts/gpu/stage2.sh --items j [--events-args '--arms tier_disk,control']
 #   bash scripts/gpu/stage2.sh --dry-run     # anywhere: plan and checks only
 #
 # --vllm picks the release: its pieces come from .gpu-wheels (0.32.0) or
@@ -40,7 +44,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 
-DRY=0 PLAN=torch211 ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS= REAL_ARGS= LATE_ARGS=
+DRY=0 PLAN=torch211 ITEMS=abcde PARTIAL= VLLM=0.32.0 AB_ARGS= REAL_ARGS= LATE_ARGS= EVENTS_ARGS=
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -50,6 +54,7 @@ while [ $# -gt 0 ]; do
         --ab-args) AB_ARGS=$2; shift ;;
         --real-args) REAL_ARGS=$2; shift ;;
         --late-args) LATE_ARGS=$2; shift ;;
+        --events-args) EVENTS_ARGS=$2; shift ;;
         *) echo "unknown argument $1"; exit 2 ;;
     esac
     shift
@@ -89,12 +94,13 @@ echo "GPU: $("$PY" scripts/gpu/gpu_common.py suffix); VLLM_USE_FLASHINFER_SAMPLE
 if [ "$DRY" = 1 ]; then
     "$PY" "$INSTALL" --help >/dev/null && echo "install_pieces.py: ok"
     "$PY" scripts/gpu/stage2.py --dry-run --items "$ITEMS" --ab-args "$AB_ARGS" \
-        --real-args "$REAL_ARGS" --late-args "$LATE_ARGS" --out "$OUT" || exit 1
+        --real-args "$REAL_ARGS" --late-args "$LATE_ARGS" --events-args "$EVENTS_ARGS" \
+        --out "$OUT" || exit 1
     echo "would run: install_pieces.py take $CARRIED (if carried in this call)"
     echo "would run: install_pieces.py install --root $PIECES --target $SITE $PARTIAL"
     echo "would run: install_pieces.py check --target $SITE"
     echo "would run: series_tree.py take (if .gpu-site-intree/series was carried)"
-    echo "would run: stage2.py --items $ITEMS --ab-args \"$AB_ARGS\" --real-args \"$REAL_ARGS\" --late-args \"$LATE_ARGS\" --out \$OUT (PYTHONPATH=$SITE:$PWD)"
+    echo "would run: stage2.py --items $ITEMS --ab-args \"$AB_ARGS\" --real-args \"$REAL_ARGS\" --late-args \"$LATE_ARGS\" --events-args \"$EVENTS_ARGS\" --out \$OUT (PYTHONPATH=$SITE:$PWD)"
     exit 0
 fi
 
@@ -147,7 +153,7 @@ grep -q "^vllm $VLLM " "$OUT/stage2_probe.txt" \
     || { echo "stage 2 asked for vLLM $VLLM; the probe above found another"; exit 1; }
 
 "$PY" scripts/gpu/stage2.py --items "$ITEMS" --ab-args "$AB_ARGS" --real-args "$REAL_ARGS" \
-    --late-args "$LATE_ARGS" --out "$OUT"
+    --late-args "$LATE_ARGS" --events-args "$EVENTS_ARGS" --out "$OUT"
 RC=$?
 ls -la "$OUT"
 exit $RC

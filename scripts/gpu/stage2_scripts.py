@@ -1,7 +1,8 @@
-"""Stage 2's items g, h and i: this folder's GPU scripts, each in a child process.
+"""Stage 2's items g-j: this folder's GPU scripts, each in a child process.
 
-``ab_offload.py`` (issue 30's A/B), ``real_size.py`` (issue 36) and
-``late_spill.py`` (issue 42: late spills under Model Runner V1 and V2) run
+``ab_offload.py`` (issue 30's A/B), ``real_size.py`` (issue 36),
+``late_spill.py`` (issue 42: late spills under Model Runner V1 and V2) and
+``events_disk.py`` (issue 47: KV events and disk hits on CUDA) run
 with their own ``--max-wall-s``, write their own figures to ``$OUT`` and
 leave their logs in stage 2's tarball; stage 2 records how each child ended,
 and its dry run asks each script for its plan and estimate (they import
@@ -30,18 +31,22 @@ class Runner(Protocol):
     ab_args: str
     real_args: str
     late_args: str
+    events_args: str
 
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
 REAL_SCRIPT = Path(__file__).resolve().parent / "real_size.py"
 LATE_SCRIPT = Path(__file__).resolve().parent / "late_spill.py"
+EVENTS_SCRIPT = Path(__file__).resolve().parent / "events_disk.py"
 #: Each item's script, and the folder under ``.gpu-work`` its models go to
-#: (item i shares stage 2's tiny model, ``.gpu-work/tiny-model``).
+#: (item i shares stage 2's tiny model, ``.gpu-work/tiny-model``; item j
+#: builds the KV events check's 2-layer model, ``.gpu-work/events-model``).
 SCRIPTS = {
     "g": (AB_SCRIPT, "serving-model"),
     "h": (REAL_SCRIPT, "shape-models"),
     "i": (LATE_SCRIPT, "."),
+    "j": (EVENTS_SCRIPT, "."),
 }
 
 
@@ -120,8 +125,16 @@ def item_i(r: Runner) -> dict:
     return _child_script(r, "i", LATE_SCRIPT, r.late_args, ".")
 
 
+def item_j(r: Runner) -> dict:
+    """Issue 47, item 2: the host tier's KV events and the disk tier's hits
+    on CUDA, benchmarks/kv_events_check.py on an OpenAI server with the host
+    and disk tiers: every request's cached tokens predicted from the events
+    (scripts/gpu/events_disk.py)."""
+    return _child_script(r, "j", EVENTS_SCRIPT, r.events_args, ".")
+
+
 def estimate_s(item: str, args: str) -> float:
-    """Device seconds item g, h or i takes: its script's own estimate."""
+    """Device seconds item g, h, i or j takes: its script's own estimate."""
     if item == "g":
         ab = _ab_module()
         return float(ab.estimate_s(ab.parse_args(shlex.split(args))))
@@ -130,7 +143,7 @@ def estimate_s(item: str, args: str) -> float:
 
 
 def plan(item: str, args: str, work: Path) -> dict[str, Any]:
-    """Item g's, h's or i's plan as its script's dry run writes it, with its
+    """Item g's, h's, i's or j's plan as its script's dry run writes it, with its
     argv."""
     if item == "g":
         ab = _ab_module()
