@@ -24,7 +24,7 @@ WORK=${1:-/tmp/kvmem-torch211}
 PIECES=${PIECES:-.gpu-wheels/torch211}
 # Python 3.12, the machine's: $PYTHON312, python3.12, or pyenv's (as fetch_wheels.py).
 PY312=${PYTHON312:-}
-for cand in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+for cand in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
     [ -n "$PY312" ] && break
     "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && PY312=$cand
 done
