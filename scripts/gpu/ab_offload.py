@@ -106,6 +106,7 @@ from gpu_common import (  # noqa: E402
     device_suffix,
     gpu_info,
     gpu_label,
+    write_dry_run,
 )
 
 ARMS = ("none", "noop", "tier", "simple_lazy", "offloading")
@@ -700,15 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        plan = build_plan(args, model_path(args))
-        plan["imported_torch_or_vllm"] = sorted(
-            m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")
-        )
-        (args.out / "ab_offload_plan.json").write_text(
-            json.dumps(plan, indent=1) + "\n"
-        )
-        print(json.dumps(plan, indent=1))
-        print(f"ab_offload dry run -> {args.out / 'ab_offload_plan.json'}")
+        write_dry_run(build_plan(args, model_path(args)), args.out, "ab_offload", None)
         return 0
     return run_on_gpu(AB, args, argv)
 

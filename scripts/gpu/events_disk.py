@@ -39,7 +39,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,9 +50,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import (  # noqa: E402
     MEASURED_S,
     SERVER_ENV,
+    csv_list,
     device_suffix,
     gpu_info,
     gpu_label,
+    run_captured,
+    write_dry_run,
 )
 
 CHECK = ROOT / "benchmarks" / "kv_events_check.py"
@@ -77,10 +79,6 @@ COST_S = {
 
 def arm_estimate_s(requests: int) -> float:
     return COST_S["server"] + COST_S["request"] * requests + COST_S["fixed"]
-
-
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def check_argv(arm: str, args: argparse.Namespace, suffix: str) -> list[str]:
@@ -177,17 +175,10 @@ def run_arm(arm: str, args: argparse.Namespace, suffix: str, deadline: float) ->
     out_path.unlink(missing_ok=True)
     print(f"=== {arm}: {' '.join(argv[1:])}", flush=True)
     t = time.monotonic()
-    try:
-        done = subprocess.run(
-            [sys.executable, *argv], cwd=ROOT, env=check_env(),
-            capture_output=True, text=True,
-            timeout=max(60.0, deadline - time.time() + 60),
-        )  # fmt: skip
-        code, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        code = "timeout"
-        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+    code, text = run_captured(
+        [sys.executable, *argv], cwd=ROOT, env=check_env(),
+        timeout=max(60.0, deadline - time.time() + 60),
+    )  # fmt: skip
     (args.work / f"{arm}.log").write_text(text)
     check = json.loads(out_path.read_text()) if out_path.exists() else None
     return {
@@ -258,7 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-wall-s", type=float, default=300.0)
     args = p.parse_args(argv)
-    args.arm_list = _csv(args.arms)
+    args.arm_list = csv_list(args.arms)
     bad = [a for a in args.arm_list if a not in ARMS]
     if bad or not args.arm_list:
         p.error(f"--arms {args.arms!r}: give one or more of {', '.join(ARMS)}")
@@ -271,16 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        plan = build_plan(args)
-        plan["imported_torch_or_vllm"] = sorted(
-            m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")
-        )
-        path = args.out / "events_disk_plan.json"
-        path.write_text(json.dumps(plan, indent=1) + "\n")
-        print(
-            json.dumps({k: plan[k] for k in ("estimate_s", "estimate_fits_max_wall")})
-        )
-        print(f"events_disk dry run -> {path}")
+        shown = ("estimate_s", "estimate_fits_max_wall")
+        write_dry_run(build_plan(args), args.out, "events_disk", shown)
         return 0
     gpu = gpu_info()
     if gpu is None and not args.cpu:

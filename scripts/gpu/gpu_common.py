@@ -9,6 +9,9 @@ Standard library only: the stage scripts call it with the machine's bare
   labelled GPU with the device inside the JSON.
 * :data:`MEASURED_S`: what device calls and runs cost on the first GPU run
   (an NVIDIA H200, 2026-11-26), the figures every plan estimate here uses.
+* :func:`run_captured`, :func:`write_dry_run`, :func:`csv_list`: what the
+  GPU scripts share: a child process with a timeout, the dry run's plan file,
+  comma-separated options.
 
 Command line (for the shell scripts)::
 
@@ -140,6 +143,46 @@ def label_file(path: Path, gpu: dict[str, str], command: str | None = None) -> d
         data.setdefault(key, value)
     path.write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+def run_captured(
+    cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> tuple[int | str, str]:
+    """Run ``cmd``: its exit code (``"timeout"`` past ``timeout`` seconds) and
+    its output, stdout then stderr (what it wrote before a timeout)."""
+    try:
+        done = subprocess.run(
+            list(cmd), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        return done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return "timeout", text
+
+
+def write_dry_run(
+    plan: dict[str, Any], out: Path, script: str, shown: Sequence[str] | None
+) -> Path:
+    """A dry run's plan: ``imported_torch_or_vllm`` added (a dry run imports
+    neither), written to ``out/<script>_plan.json``; the ``shown`` keys
+    printed (the whole plan when None), then where it went."""
+    plan["imported_torch_or_vllm"] = sorted(
+        m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")
+    )
+    path = out / f"{script}_plan.json"
+    path.write_text(json.dumps(plan, indent=1) + "\n")
+    if shown is None:
+        print(json.dumps(plan, indent=1))
+    else:
+        print(json.dumps({k: plan[k] for k in shown}))
+    print(f"{script} dry run -> {path}")
+    return path
+
+
+def csv_list(text: str) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``."""
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -94,9 +94,12 @@ import series_tree  # noqa: E402  (standard library only at import)
 from gpu_common import (  # noqa: E402
     MEASURED_S,
     SERVER_ENV,
+    csv_list,
     device_suffix,
     gpu_info,
     gpu_label,
+    run_captured,
+    write_dry_run,
 )
 
 REPORT = "KVMEM_LATE_SPILL "
@@ -624,17 +627,10 @@ def run_process(
     }  # fmt: skip
     env = dict(os.environ, **process_env(proc["runner"], proc["tree"], args))
     t = time.monotonic()
-    try:
-        done = subprocess.run(
-            [sys.executable, __file__, "--child", json.dumps(spec)],
-            cwd=args.work, env=env, capture_output=True, text=True,
-            timeout=max(60.0, deadline - time.time() + 60),
-        )  # fmt: skip
-        code, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        code = "timeout"
-        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+    code, text = run_captured(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        cwd=args.work, env=env, timeout=max(60.0, deadline - time.time() + 60),
+    )  # fmt: skip
     (args.work / f"{name}.log").write_text(text)
     lines = [ln for ln in text.splitlines() if ln.startswith(REPORT)]
     got = json.loads(lines[-1][len(REPORT) :]) if lines else None
@@ -725,10 +721,6 @@ def run(args: argparse.Namespace, gpu: dict[str, str] | None, argv: list[str]) -
 # -- command line -----------------------------------------------------------------
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -754,10 +746,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"of {tuple(CASES)} (default all; --cpu: plain)")  # fmt: skip
     p.add_argument("--max-wall-s", type=float, default=400.0)
     args = p.parse_args(argv)
-    args.arm_list = _csv(args.arms)
+    args.arm_list = csv_list(args.arms)
     default_runners = "v1" if args.cpu else ",".join(RUNNERS)
-    args.runner_list = _csv(args.runners or default_runners)
-    args.case_list = _csv(args.cases or ("plain" if args.cpu else ",".join(CASES)))
+    args.runner_list = csv_list(args.runners or default_runners)
+    args.case_list = csv_list(args.cases or ("plain" if args.cpu else ",".join(CASES)))
     bad = [a for a in args.arm_list if a not in ARMS]
     bad += [r for r in args.runner_list if r not in RUNNERS]
     bad += [c for c in args.case_list if c not in CASES]
@@ -778,16 +770,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        plan = build_plan(args)
-        plan["imported_torch_or_vllm"] = sorted(
-            m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")
-        )
-        path = args.out / "late_spill_plan.json"
-        path.write_text(json.dumps(plan, indent=1) + "\n")
-        print(
-            json.dumps({k: plan[k] for k in ("estimate_s", "estimate_fits_max_wall")})
-        )
-        print(f"late_spill dry run -> {path}")
+        shown = ("estimate_s", "estimate_fits_max_wall")
+        write_dry_run(build_plan(args), args.out, "late_spill", shown)
         return 0
     gpu = gpu_info()
     if gpu is None and not args.cpu:

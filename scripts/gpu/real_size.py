@@ -86,7 +86,7 @@ import ab_figures as figures  # noqa: E402  (no vLLM or torch at import)
 import ab_offload as ab  # noqa: E402
 import series_tree  # noqa: E402
 import serving_bench as sb  # noqa: E402
-from gpu_common import SERVER_ENV  # noqa: E402
+from gpu_common import SERVER_ENV, csv_list, write_dry_run  # noqa: E402
 from real_size_schedule import (  # noqa: E402
     COST_MEASURED,
     COST_S,
@@ -642,10 +642,6 @@ def machine_facts() -> dict[str, Any]:
 # -- command line -----------------------------------------------------------------
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -699,13 +695,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the series' vLLM copy (built if absent)")  # fmt: skip
     p.add_argument("--max-wall-s", type=float, default=480.0)
     args = p.parse_args(argv)
-    args.step_list = _csv(args.steps)
-    args.ttft_len_list = [int(x) for x in _csv(args.ttft_lens)]
-    args.ttft_arm_list = _csv(args.ttft_arms)
-    args.profile_arm_list = _csv(args.profile_arms)
-    args.throughput_arm_list = _csv(args.throughput_arms)
-    args.layout_arm_list = _csv(args.layout_arms)
-    args.cudagraph_size_list = [int(x) for x in _csv(args.cudagraph_sizes)]
+    args.step_list = csv_list(args.steps)
+    args.ttft_len_list = [int(x) for x in csv_list(args.ttft_lens)]
+    args.ttft_arm_list = csv_list(args.ttft_arms)
+    args.profile_arm_list = csv_list(args.profile_arms)
+    args.throughput_arm_list = csv_list(args.throughput_arms)
+    args.layout_arm_list = csv_list(args.layout_arms)
+    args.cudagraph_size_list = [int(x) for x in csv_list(args.cudagraph_sizes)]
     bad = [s for s in args.step_list if s not in STEPS]
     arms = (
         args.ttft_arm_list + args.profile_arm_list + args.throughput_arm_list
@@ -720,7 +716,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-model-len must hold the longest --ttft-lens prompt")
     if args.device_kv_tokens < args.max_model_len:
         p.error("--device-kv-tokens below --max-model-len: vLLM refuses to start")
-    args.level_list = [sb.LEVELS[x] for x in _csv(args.levels)]
+    args.level_list = [sb.LEVELS[x] for x in csv_list(args.levels)]
     # serving_bench's names: its server flags and client read these.
     args.kv_cache_bytes_int = args.device_kv_tokens * kv_bytes_per_token(args)
     args.kv_cache_bytes = str(args.kv_cache_bytes_int)
@@ -735,14 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(args)
         folder = shape(args).ensure(args.model_cache)  # config only, no weights
         plan["model"]["written"] = sorted(p.name for p in folder.iterdir())
-        plan["imported_torch_or_vllm"] = sorted(
-            m for m in sys.modules if m.split(".")[0] in ("torch", "vllm")
-        )
-        path = args.out / "real_size_plan.json"
-        path.write_text(json.dumps(plan, indent=1) + "\n")
-        print(json.dumps({k: plan[k] for k in ("estimate_s", "estimate_by_step_s",
-                                               "estimate_starts_s")}))  # fmt: skip
-        print(f"real_size dry run -> {path}")
+        shown = ("estimate_s", "estimate_by_step_s", "estimate_starts_s")
+        write_dry_run(plan, args.out, "real_size", shown)
         return 0
     return ab.run_on_gpu(RealSize, args, argv)
 

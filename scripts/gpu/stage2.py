@@ -88,7 +88,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stage2_scripts  # noqa: E402
-from gpu_common import MEASURED_S, SERVER_ENV  # noqa: E402
+from gpu_common import MEASURED_S, SERVER_ENV, run_captured  # noqa: E402
 
 REPORT = "KVMEM_STAGE2 "
 ITEMS = "abcdefghij"
@@ -227,23 +227,12 @@ class Runner:
         full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         full_env.update(env)
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", json.dumps(spec)],
-                cwd=ROOT,
-                env=full_env,
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-            )
-            code, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            code = "timeout"
-            text = (
-                (exc.stdout or b"").decode(errors="replace")
-                if isinstance(exc.stdout, bytes)
-                else str(exc.stdout or "")
-            )
+        code, text = run_captured(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            cwd=ROOT,
+            env=full_env,
+            timeout=self.timeout,
+        )
         (self.logs / f"{name}.log").write_text(text)
         report = None
         for line in text.splitlines():

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,10 @@ class Runner(Protocol):
 
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import run_captured  # noqa: E402  (standard library only)
+
 AB_SCRIPT = Path(__file__).resolve().parent / "ab_offload.py"
 REAL_SCRIPT = Path(__file__).resolve().parent / "real_size.py"
 LATE_SCRIPT = Path(__file__).resolve().parent / "late_spill.py"
@@ -75,20 +78,12 @@ def _child_script(r: Runner, item: str, script: Path, args: str, cache: str) -> 
         "--model-cache", str(r.work / cache),
     ]  # fmt: skip
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            [*cmd, *argv],
-            cwd=ROOT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            capture_output=True,
-            text=True,
-            timeout=max_wall + 120,
-        )
-        code, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        code = "timeout"
-        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+    code, text = run_captured(
+        [*cmd, *argv],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        timeout=max_wall + 120,
+    )
     (r.logs / f"{name}.log").write_text(text)
     print(f"  {script.stem}: exit {code} in {time.perf_counter() - t0:.0f} s")
     files = sorted(p.name for p in r.out.glob(f"{script.stem}_*.json"))
