@@ -102,7 +102,11 @@ def test_quick_run_no_offload_and_tier(bench, tmp_path):
     trace = json.loads(out.with_name("workload_trace.json").read_text())
     assert [t["cell"] for t in trace["runs"]] == ["none", "tier@4x"]
     for t in trace["runs"]:
-        assert len(t["requests"]) == runs[t["cell"]]["summary"]["requests"]
+        # Every request the server finished, and no other, is in the trace;
+        # vLLM's client can lose a measurement (see run_multi_turn).
+        summary = runs[t["cell"]]["summary"]
+        assert len(t["requests"]) == summary["server_requests"]
+        assert 0 < summary["requests"] <= summary["server_requests"]
         assert all(q["prompt_token_ids"] for q in t["requests"])
     assert out.with_suffix(".png").stat().st_size > 0
     print(f"quick two-arm run: {wall:.0f} s, {report['busy_s']:.0f} s not waiting")
