@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import file_seconds
 from tests.helpers import VENV_033
 from vllm_kvmem.tiny_model import build_tiny_model
 
@@ -25,6 +26,12 @@ from vllm_kvmem.tiny_model import build_tiny_model
 #: them, so the tests give git their own (command-scope config, which wins
 #: over every file), never the machine's.
 GIT_SUBMITTER = ("Test Submitter", "submitter@example.com")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The heaviest test files first (``tests/file_seconds.py`` says why);
+    a file's tests keep their order."""
+    items.sort(key=file_seconds.order_key(file_seconds.load()))
 
 
 @pytest.fixture(scope="session", autouse=True)
