@@ -38,7 +38,8 @@ demo: setup
 # second core idle about half the time. Measured on this 2-core machine,
 # 2026-11-29, the same checkout: 66 min serial, 38 min with two workers.
 # Files go to the workers heaviest first (tests/file_seconds.py), not in
-# xdist's order (most tests first), which left the long engine files last.
+# xdist's order (most tests first), which can put a long one- or two-test
+# engine file last, alone on one worker.
 test: setup setup-033 lint
 	KVMEM_VENV_033=$(abspath $(VENV033)) KVMEM_REQUIRE_033=1 $(PY) -m pytest -q \
 		-n 2 --dist loadfile --no-loadscope-reorder --durations=15
